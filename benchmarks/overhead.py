@@ -1,0 +1,157 @@
+"""Step-time overhead of the tracker, side by side with upstream FSDPMemTracker.
+
+Run (2 ranks, gloo, CPU):
+
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/overhead.py [--rounds 7] [--steps 10]
+
+Variants, interleaved round by round so machine noise hits all of them alike: untracked, light,
+deep, light with deep_every=100, and upstream FSDPMemTracker (entered per step, stats reset per
+step, which is what it takes to run it for more than one iteration). Models: dispatch-bound
+(blocks of width 64, where per-op cost dominates as on a GPU) at 16 and 64 blocks, and
+compute-bound (4 blocks of width 1024). Prints the median step-time ratio to untracked per
+variant and checks the targets; ``--json PATH`` also writes the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp_mem_otel.demo import WrapOptions, build, init_distributed, make_batch, train_step
+from fsdp_mem_otel.tracker import FSDPMemoryTracker
+
+MODELS = {
+    "dispatch-16": (16, 64, 8),  # blocks, width, batch
+    "dispatch-64": (64, 64, 8),
+    "compute-4": (4, 1024, 256),
+}
+VARIANTS = ("untracked", "light", "deep", "deep_every=100", "upstream")
+
+
+class _Variant:
+    """Runs one training step under one tracking variant."""
+
+    def __init__(self, name: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.name = name
+        self.model, self.opt = model, opt
+        self.tracker: FSDPMemoryTracker | None = None
+        self.upstream: Any = None
+        if name in ("light", "deep", "deep_every=100"):
+            mode = "deep" if name == "deep" else "light"
+            every = 100 if name == "deep_every=100" else 0
+            self.tracker = FSDPMemoryTracker(model, opt, mode=mode, deep_every=every)
+        elif name == "upstream":
+            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+            self.upstream = FSDPMemTracker(model, opt)
+
+    def session(self) -> AbstractContextManager[Any]:
+        return self.tracker if self.tracker is not None else nullcontext()
+
+    def step(self, x: torch.Tensor) -> None:
+        if self.upstream is not None:
+            self.upstream.track_inputs((x,))
+            with self.upstream:
+                train_step(self.model, self.opt, x)
+            self.upstream.reset_mod_stats()
+            return
+        if self.tracker is not None:
+            self.tracker.track_inputs(x)
+        train_step(self.model, self.opt, x)
+        if self.tracker is not None:
+            self.tracker.step()
+
+
+def _time_steps(variant: _Variant, xs: list[torch.Tensor]) -> list[float]:
+    times = []
+    with variant.session():
+        for x in xs:
+            dist.barrier()
+            t0 = time.perf_counter()
+            variant.step(x)
+            dist.barrier()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure(model_name: str, rounds: int, steps: int, rank: int, log: Callable[[str], None]) -> dict[str, float]:
+    blocks, width, batch = MODELS[model_name]
+    model, opt = build(blocks, width, WrapOptions(fsdp=2))
+    xs = [make_batch(i, batch, width, rank) for i in range(steps)]
+    variants = [_Variant(name, model, opt) for name in VARIANTS]
+    for v in variants:  # warm-up: lazy init, optimizer state, upstream's first-iteration costs
+        _time_steps(v, xs[:2])
+    samples: dict[str, list[float]] = {v.name: [] for v in variants}
+    for r in range(rounds):
+        order = variants if r % 2 == 0 else list(reversed(variants))
+        for v in order:
+            samples[v.name].append(statistics.median(_time_steps(v, xs)))
+        log(f"  {model_name}: round {r + 1}/{rounds}")
+    base = statistics.median(samples["untracked"])
+    ratios = {name: statistics.median(s) / base for name, s in samples.items()}
+    ratios["untracked_step_ms"] = base * 1e3
+    return ratios
+
+
+def check_targets(res: dict[str, dict[str, float]]) -> list[str]:
+    """The issue's targets on the dispatch-bound model; returns the misses (empty = all met)."""
+    misses = []
+    for m in ("dispatch-16", "dispatch-64"):
+        r = res[m]
+        if r["light"] > 1.05:
+            misses.append(f"{m}: light {r['light']:.3f}x > 1.05x")
+        if r["deep_every=100"] > 1.06:
+            misses.append(f"{m}: deep_every=100 {r['deep_every=100']:.3f}x > 1.06x")
+        if r["deep"] > r["upstream"] / 2:
+            misses.append(f"{m}: deep {r['deep']:.3f}x > half of upstream {r['upstream']:.3f}x")
+    for v in ("light", "deep"):
+        growth = res["dispatch-64"][v] - res["dispatch-16"][v]
+        if growth > 0.05:
+            misses.append(f"{v}: ratio grows {growth:+.3f} from 16 to 64 blocks (> 0.05)")
+    return misses
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds per model (default 7)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant per round (default 10)")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
+    p.add_argument("--json", default=None, help="also write the ratios to this JSON file (rank 0)")
+    args = p.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        p.error(f"--models: unknown {unknown}; accepted: {', '.join(MODELS)}")
+    rank, world = init_distributed()
+
+    def log(msg: str) -> None:
+        if rank == 0:
+            print(msg, file=sys.stderr, flush=True)
+
+    res = {m: measure(m, args.rounds, args.steps, rank, log) for m in models}
+    if rank == 0:
+        print(f"world_size={world} torch={torch.__version__} rounds={args.rounds} steps={args.steps}")
+        print(f"{'model':<13} {'untracked ms':>12} " + " ".join(f"{v:>15}" for v in VARIANTS[1:]))
+        for m, r in res.items():
+            print(f"{m:<13} {r['untracked_step_ms']:>12.2f} " + " ".join(f"{r[v]:>14.3f}x" for v in VARIANTS[1:]))
+        if all(m in res for m in ("dispatch-16", "dispatch-64")):
+            misses = check_targets(res)
+            print("targets: all met" if not misses else "targets missed:\n  " + "\n  ".join(misses))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=2)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,224 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) adapter. Tested on torch 2.13.0.
+
+Hook points:
+- forward: four module hooks per FSDP module, two around FSDP's own pre-forward hook and two
+  around its post-forward hook (FSDP registers its pre-hook with ``prepend=True``; ours, registered
+  later with ``prepend=True``, runs before it). Nothing of FSDP's is replaced.
+- backward and communication: per ``FSDPParamGroup`` instance, ``pre_backward``,
+  ``post_backward``, ``unshard``, ``wait_for_unshard`` and ``reshard`` are wrapped by instance
+  attributes (as upstream ``FSDPMemTracker`` does for the first two). Detach deletes those
+  attributes, so the class methods are what runs again.
+
+What FSDP tells us, by category (exact in light mode):
+- sharded_param: each FSDPParam's local shard (``sharded_param``), at attach.
+- unsharded_param: ``all_gather_outputs`` storages after ``wait_for_unshard``; resized to 0 on
+  ``reshard`` (re-read then).
+- all_gather: ``_all_gather_result.all_gather_output`` after ``unshard`` (the flat buffer; the
+  all-gather input is a view into it), until FSDP drops it.
+- unsharded_grad: ``unsharded_param.grad`` / ``unsharded_accumulated_grad`` when
+  ``post_backward`` starts.
+- sharded_grad: ``sharded_param.grad`` after ``post_backward``.
+- reduce_scatter: the newest ``comm_ctx.reduce_scatter_states`` input after ``post_backward``,
+  until FSDP releases it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.utils.hooks import RemovableHandle
+
+from fsdp_mem_otel.adapters.base import EventSink, fsdp_module_paths, module_key
+from fsdp_mem_otel.model import (
+    AFTER_POST_BACKWARD,
+    AFTER_POST_FORWARD,
+    AFTER_PRE_BACKWARD,
+    AFTER_PRE_FORWARD,
+    ALL_GATHER,
+    BEFORE_POST_BACKWARD,
+    BEFORE_POST_FORWARD,
+    BEFORE_PRE_BACKWARD,
+    BEFORE_PRE_FORWARD,
+    BUFFER,
+    REDUCE_SCATTER,
+    SHARDED_GRAD,
+    SHARDED_PARAM,
+    UNSHARDED_GRAD,
+    UNSHARDED_PARAM,
+)
+
+class _SavedAttr(NamedTuple):
+    """An instance attribute we replaced: whether it existed before, and its old value."""
+
+    owner: Any
+    name: str
+    existed: bool
+    value: Any
+    wrapper: Any
+
+
+def is_fsdp2(model: nn.Module) -> bool:
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+class FSDP2Adapter:
+    """Turns FSDP2's hook points into tracker events for every FSDP module of ``model``."""
+
+    fsdp_version = 2
+
+    def __init__(self, model: nn.Module, sink: EventSink) -> None:
+        self._model = model
+        self._sink = sink
+        self._modules = fsdp_module_paths(model, FSDPModule)
+        self._handles: list[RemovableHandle] = []
+        self._saved: list[_SavedAttr] = []
+
+    def module_keys(self) -> list[str]:
+        return [module_key(p) for p, _ in self._modules]
+
+    def persistent_tensors(self) -> Iterator[tuple[torch.Tensor, str]]:
+        for _, group in self._groups():
+            for fp in group.fsdp_params:
+                yield fp.sharded_param, SHARDED_PARAM
+                if fp.sharded_param.grad is not None:
+                    yield fp.sharded_param.grad, SHARDED_GRAD
+        for buf in self._model.buffers():
+            yield buf, BUFFER
+
+    def _groups(self) -> Iterator[tuple[str, Any]]:
+        for path, mod in self._modules:
+            state = mod._get_fsdp_state()  # type: ignore[operator]
+            for group in state._fsdp_param_groups:
+                yield module_key(path), group
+
+    # -- attach / detach -----------------------------------------------------------------------
+    def attach(self) -> None:
+        sink = self._sink
+        for path, mod in self._modules:
+            key = module_key(path)
+            self._handles += [
+                mod.register_forward_pre_hook(_state_hook(sink, key, BEFORE_PRE_FORWARD), prepend=True),
+                mod.register_forward_pre_hook(_state_hook(sink, key, AFTER_PRE_FORWARD)),
+                mod.register_forward_hook(_state_hook(sink, key, BEFORE_POST_FORWARD), prepend=True),
+                mod.register_forward_hook(_state_hook(sink, key, AFTER_POST_FORWARD)),
+            ]
+        for key, group in self._groups():
+            self._patch_group(key, group)
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for s in reversed(self._saved):
+            if s.owner.__dict__.get(s.name) is not s.wrapper:
+                continue  # someone replaced our wrapper since: leave theirs alone
+            if s.existed:
+                setattr(s.owner, s.name, s.value)
+            else:
+                delattr(s.owner, s.name)
+        self._saved.clear()
+
+    def _patch(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
+        existed = name in owner.__dict__
+        self._saved.append(_SavedAttr(owner, name, existed, owner.__dict__.get(name), wrapper))
+        setattr(owner, name, wrapper)
+
+    def _patch_group(self, key: str, group: Any) -> None:
+        sink = self._sink
+
+        def before_post_backward() -> None:
+            for fp in group.fsdp_params:
+                if hasattr(fp, "_unsharded_param"):
+                    sink.track(fp._unsharded_param.grad, UNSHARDED_GRAD)
+                sink.track(fp.unsharded_accumulated_grad, UNSHARDED_GRAD)
+            sink.on_state(key, BEFORE_POST_BACKWARD)
+
+        def after_post_backward() -> None:
+            for fp in group.fsdp_params:
+                sink.track(fp.sharded_param.grad, SHARDED_GRAD)
+            refresh_unsharded()
+            states = getattr(group.comm_ctx, "reduce_scatter_states", None)
+            if states:
+                sink.track(states[-1].reduce_scatter_input, REDUCE_SCATTER)
+            sink.on_state(key, AFTER_POST_BACKWARD)
+
+        def after_unshard() -> None:
+            if group._all_gather_result is not None:
+                sink.track(group._all_gather_result.all_gather_output, ALL_GATHER)
+
+        def after_wait_for_unshard() -> None:
+            for fp in group.fsdp_params:
+                for t in fp.all_gather_outputs:
+                    sink.track(t, UNSHARDED_PARAM)
+
+        def refresh_unsharded() -> None:
+            for fp in group.fsdp_params:
+                for t in fp.all_gather_outputs:
+                    sink.refresh(t)
+
+        wrappers: dict[str, tuple[Callable[[], None] | None, Callable[[], None] | None]] = {
+            "pre_backward": (
+                lambda: sink.on_state(key, BEFORE_PRE_BACKWARD),
+                lambda: sink.on_state(key, AFTER_PRE_BACKWARD),
+            ),
+            "post_backward": (before_post_backward, after_post_backward),
+            "unshard": (None, after_unshard),
+            "wait_for_unshard": (None, after_wait_for_unshard),
+            "reshard": (None, refresh_unsharded),
+        }
+        for name, (before, after) in wrappers.items():
+            orig = getattr(group, name)
+            wrapper = _around(sink, orig, before, after)
+            if name == "pre_backward":
+                # Runs once per output tensor that needs grad; FSDP acts on the first call only.
+                wrapper = _unless_in_pre_backward(group, wrapper, orig)
+            self._patch(group, name, wrapper)
+
+
+def _around(
+    sink: EventSink,
+    orig: Callable[..., Any],
+    before: Callable[[], None] | None,
+    after: Callable[[], None] | None,
+) -> Callable[..., Any]:
+    """``orig`` with tracker work before and after it; tracker failures never reach FSDP."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if before is not None:
+            _guarded(sink, before)
+        out = orig(*args, **kwargs)
+        if after is not None:
+            _guarded(sink, after)
+        return out
+
+    return wrapper
+
+
+def _unless_in_pre_backward(
+    group: Any, tracked: Callable[..., Any], orig: Callable[..., Any]
+) -> Callable[..., Any]:
+    def pre_backward(*args: Any, **kwargs: Any) -> Any:
+        if group._training_state == TrainingState.PRE_BACKWARD:
+            return orig(*args, **kwargs)
+        return tracked(*args, **kwargs)
+
+    return pre_backward
+
+
+def _guarded(sink: EventSink, fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the tracker must never break training
+        sink.report_error(exc)
+
+
+def _state_hook(sink: EventSink, key: str, state: str) -> Callable[..., None]:
+    def hook(*_: Any) -> None:
+        sink.on_state(key, state)
+
+    return hook

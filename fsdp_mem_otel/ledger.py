@@ -1,0 +1,198 @@
+"""Storage accounting: bytes per device x category, with per-step and per-window peaks.
+
+Every tracked tensor storage is held by a weak reference whose callback subtracts its bytes when
+the storage is freed, so the ledger never keeps memory alive. Each update is O(1): it touches one
+device's counters, the step window and the innermost open window. Windows nest (a module's
+forward inside its parent's); closing one folds its peak into the enclosing window, which is how
+per-module peaks stay O(1) per update however many modules exist.
+
+The ledger knows tensors and storages but nothing about FSDP.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from fsdp_mem_otel.model import CATEGORY_KEYS, TOTAL, DeviceBreakdown
+
+# The CUDA caching allocator rounds every block up to 512 bytes (same rule as upstream MemTracker).
+_CUDA_MIN_BLOCK = 512 if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") == "0" else 1
+
+
+def storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The untyped storages behind ``t``, looking through wrapper subclasses such as DTensor."""
+    cls = type(t)
+    if cls is torch.Tensor or cls is nn.Parameter:
+        return [t.untyped_storage()] if t.layout is torch.strided else []
+    if cls is DTensor:
+        return storages_of(t._local_tensor)  # type: ignore[attr-defined]
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        out: list[torch.UntypedStorage] = []
+        for name in attrs:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):  # DTensor also flattens its DeviceMesh
+                out.extend(storages_of(inner))
+        return out
+    if t.layout is not torch.strided or t.device.type == "meta":
+        return []
+    return [t.untyped_storage()]
+
+
+def _nbytes(st: torch.UntypedStorage, device_type: str) -> int:
+    n = st.nbytes()
+    if device_type == "cuda" and n:
+        return math.ceil(n / _CUDA_MIN_BLOCK) * _CUDA_MIN_BLOCK
+    return int(n)
+
+
+class _Window:
+    __slots__ = ("peak", "snap")
+
+    def __init__(self, current: DeviceBreakdown) -> None:
+        self.peak: dict[str, int] = {d: c[TOTAL] for d, c in current.items()}
+        self.snap: DeviceBreakdown = {d: dict(c) for d, c in current.items()}
+
+    def offer(self, device: str, cats: dict[str, int]) -> None:
+        if cats[TOTAL] > self.peak.get(device, -1):
+            self.peak[device] = cats[TOTAL]
+            self.snap[device] = dict(cats)
+
+    def absorb(self, inner: _Window) -> None:
+        for device, total in inner.peak.items():
+            if total > self.peak.get(device, -1):
+                self.peak[device] = total
+                self.snap[device] = inner.snap[device]
+
+
+class Ledger:
+    """Live bytes per device and category, plus peaks for the step and for nested windows."""
+
+    def __init__(self) -> None:
+        # id(storage) -> [device, category, nbytes, weakref]; the weakref callback drops the entry.
+        self._entries: dict[int, list[Any]] = {}
+        self.current: DeviceBreakdown = {}
+        self._step = _Window({})
+        self._windows: list[_Window] = []
+        self._device_names: dict[torch.device, str] = {}
+
+    # -- updates -------------------------------------------------------------------------------
+    def track(self, t: torch.Tensor, category: str, recategorize: bool = True) -> None:
+        """Account the storages of ``t`` under ``category``.
+
+        A storage seen before keeps its entry: its size is refreshed, and its category changes only
+        when ``recategorize`` is true (explicit knowledge from FSDP beats per-op guesses).
+        """
+        for st in storages_of(t):
+            self.track_storage(st, category, recategorize)
+
+    def track_storage(self, st: torch.UntypedStorage, category: str, recategorize: bool) -> None:
+        key = id(st)
+        entry = self._entries.get(key)
+        if entry is None:
+            dev = st.device
+            name = self._device_names.get(dev)
+            if name is None:
+                name = self._device_names[dev] = str(dev)
+            n = _nbytes(st, dev.type)
+            ref = weakref.ref(st, self._make_free_callback(key))
+            self._entries[key] = [name, category, n, ref]
+            if n:
+                self._add(name, category, n)
+            return
+        n = _nbytes(st, st.device.type)
+        if n != entry[2]:
+            self._add(entry[0], entry[1], n - entry[2])
+            entry[2] = n
+        if recategorize and entry[1] != category:
+            cats = self.current[entry[0]]
+            cats[entry[1]] -= entry[2]
+            cats[category] += entry[2]
+            entry[1] = category
+
+    def refresh(self, t: torch.Tensor) -> None:
+        """Re-read the sizes of ``t``'s storages (after ``resize_``), keeping their categories."""
+        for st in storages_of(t):
+            entry = self._entries.get(id(st))
+            if entry is not None:
+                n = _nbytes(st, st.device.type)
+                if n != entry[2]:
+                    self._add(entry[0], entry[1], n - entry[2])
+                    entry[2] = n
+
+    def refresh_storage(self, st: torch.UntypedStorage) -> None:
+        entry = self._entries.get(id(st))
+        if entry is not None:
+            n = _nbytes(st, st.device.type)
+            if n != entry[2]:
+                self._add(entry[0], entry[1], n - entry[2])
+                entry[2] = n
+
+    def _make_free_callback(self, key: int):  # type: ignore[no-untyped-def]
+        entries = self._entries
+        ledger_ref = weakref.ref(self)
+
+        def on_free(_ref: weakref.ref) -> None:
+            entry = entries.pop(key, None)
+            ledger = ledger_ref()
+            if entry is not None and ledger is not None and entry[2]:
+                ledger._add(entry[0], entry[1], -entry[2])
+
+        return on_free
+
+    def _add(self, device: str, category: str, delta: int) -> None:
+        cats = self.current.get(device)
+        if cats is None:
+            cats = self.current[device] = dict.fromkeys(CATEGORY_KEYS, 0)
+        cats[category] += delta
+        cats[TOTAL] += delta
+        if delta > 0:
+            self._step.offer(device, cats)
+            if self._windows:
+                self._windows[-1].offer(device, cats)
+
+    # -- windows and peaks ---------------------------------------------------------------------
+    def open_window(self) -> None:
+        """Start a nested peak window (a module's forward or backward)."""
+        self._windows.append(_Window(self.current))
+
+    def close_window(self) -> DeviceBreakdown:
+        """End the innermost window; return its peak breakdown and fold it into the enclosing one."""
+        if not self._windows:
+            return {}
+        w = self._windows.pop()
+        if self._windows:
+            self._windows[-1].absorb(w)
+        return {d: dict(c) for d, c in w.snap.items()}
+
+    @property
+    def open_windows(self) -> int:
+        return len(self._windows)
+
+    def snapshot(self) -> DeviceBreakdown:
+        """A copy of the current breakdown."""
+        return {d: dict(c) for d, c in self.current.items()}
+
+    def step_peak(self) -> DeviceBreakdown:
+        return {d: dict(c) for d, c in self._step.snap.items()}
+
+    def reset_step(self) -> None:
+        """Start a new step: the step peak restarts from what is live now; windows are dropped."""
+        self._step = _Window(self.current)
+        self._windows.clear()
+
+    # -- introspection -------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def category_of(self, st: torch.UntypedStorage) -> str | None:
+        entry = self._entries.get(id(st))
+        return None if entry is None else entry[1]

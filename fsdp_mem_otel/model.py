@@ -1,0 +1,172 @@
+"""Plain-data vocabulary of the tracker: categories, states and the per-step report.
+
+Standard library only: exporters and the report tool read these without importing torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+SHARDED_PARAM = "sharded_param"
+UNSHARDED_PARAM = "unsharded_param"
+BUFFER = "buffer"
+SHARDED_GRAD = "sharded_grad"
+UNSHARDED_GRAD = "unsharded_grad"
+ACTIVATION = "activation"
+TEMP = "temp"
+ALL_GATHER = "all_gather"
+REDUCE_SCATTER = "reduce_scatter"
+OPTIMIZER_STATE = "optimizer_state"
+INPUTS = "inputs"
+TOTAL = "total"
+
+#: Memory categories, in display order; ``total`` is their sum.
+CATEGORIES: tuple[str, ...] = (
+    SHARDED_PARAM,
+    UNSHARDED_PARAM,
+    BUFFER,
+    SHARDED_GRAD,
+    UNSHARDED_GRAD,
+    ACTIVATION,
+    TEMP,
+    ALL_GATHER,
+    REDUCE_SCATTER,
+    OPTIMIZER_STATE,
+    INPUTS,
+)
+CATEGORY_KEYS: tuple[str, ...] = (*CATEGORIES, TOTAL)
+
+BEFORE_PRE_FORWARD = "before_pre_forward"
+AFTER_PRE_FORWARD = "after_pre_forward"
+BEFORE_POST_FORWARD = "before_post_forward"
+AFTER_POST_FORWARD = "after_post_forward"
+BEFORE_PRE_BACKWARD = "before_pre_backward"
+AFTER_PRE_BACKWARD = "after_pre_backward"
+BEFORE_POST_BACKWARD = "before_post_backward"
+AFTER_POST_BACKWARD = "after_post_backward"
+PRE_FORWARD_AC = "pre_forward_ac"
+POST_FORWARD_AC = "post_forward_ac"
+PEAK_FORWARD = "peak_forward"
+PEAK_BACKWARD = "peak_backward"
+
+#: FSDP module states at which snapshots are taken, in execution order.
+STATES: tuple[str, ...] = (
+    BEFORE_PRE_FORWARD,
+    AFTER_PRE_FORWARD,
+    BEFORE_POST_FORWARD,
+    AFTER_POST_FORWARD,
+    BEFORE_PRE_BACKWARD,
+    AFTER_PRE_BACKWARD,
+    BEFORE_POST_BACKWARD,
+    AFTER_POST_BACKWARD,
+    PRE_FORWARD_AC,
+    POST_FORWARD_AC,
+    PEAK_FORWARD,
+    PEAK_BACKWARD,
+)
+
+LIGHT = "light"
+DEEP = "deep"
+MODES: tuple[str, ...] = (LIGHT, DEEP)
+
+ROOT_KEY = "<root>"
+
+#: device ("cpu", "cuda:0") -> category key -> bytes
+DeviceBreakdown = dict[str, dict[str, int]]
+
+
+@dataclass
+class ModuleReport:
+    """Snapshots of one FSDP module during one step: state -> one breakdown per call."""
+
+    snapshots: dict[str, list[DeviceBreakdown]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"snapshots": {s: [_copy(b) for b in calls] for s, calls in self.snapshots.items()}}
+
+    def peak_total(self, state: str) -> int:
+        """Largest ``total`` over devices and calls for ``state`` (0 if never reached)."""
+        return max(
+            (cats.get(TOTAL, 0) for b in self.snapshots.get(state, []) for cats in b.values()),
+            default=0,
+        )
+
+
+@dataclass
+class StepReport:
+    """What the tracker saw during one training step. Plain data, JSON-able via to_dict()."""
+
+    step: int
+    rank: int
+    world_size: int
+    mode: str
+    fsdp_version: int
+    peak: DeviceBreakdown
+    modules: dict[str, ModuleReport]
+    module_order: list[str] = field(default_factory=list)
+    current: DeviceBreakdown = field(default_factory=dict)
+    duration_seconds: float = 0.0
+    tracker_overhead_seconds: float = 0.0
+    errors_total: int = 0
+    timestamp: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "mode": self.mode,
+            "fsdp_version": self.fsdp_version,
+            "peak": _copy(self.peak),
+            "current": _copy(self.current),
+            "modules": {k: m.to_dict() for k, m in self.modules.items()},
+            "module_order": list(self.module_order),
+            "duration_seconds": self.duration_seconds,
+            "tracker_overhead_seconds": self.tracker_overhead_seconds,
+            "errors_total": self.errors_total,
+            "timestamp": self.timestamp,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepReport:
+        """Inverse of to_dict(); unknown keys are ignored so old readers accept new files."""
+        return cls(
+            step=int(data["step"]),
+            rank=int(data["rank"]),
+            world_size=int(data["world_size"]),
+            mode=str(data["mode"]),
+            fsdp_version=int(data.get("fsdp_version", 0)),
+            peak=_copy(data["peak"]),
+            current=_copy(data.get("current", {})),
+            modules={
+                k: ModuleReport(
+                    {s: [_copy(b) for b in calls] for s, calls in m["snapshots"].items()}
+                )
+                for k, m in data["modules"].items()
+            },
+            module_order=list(data.get("module_order", [])),
+            duration_seconds=float(data.get("duration_seconds", 0.0)),
+            tracker_overhead_seconds=float(data.get("tracker_overhead_seconds", 0.0)),
+            errors_total=int(data.get("errors_total", 0)),
+            timestamp=float(data.get("timestamp", 0.0)),
+        )
+
+    def peak_total(self, device: str | None = None) -> int:
+        """Step peak total bytes on ``device`` (default: the largest over devices)."""
+        if device is not None:
+            return self.peak.get(device, {}).get(TOTAL, 0)
+        return max((c.get(TOTAL, 0) for c in self.peak.values()), default=0)
+
+
+def empty_breakdown() -> dict[str, int]:
+    """A category -> bytes dict with every key present and zero."""
+    return dict.fromkeys(CATEGORY_KEYS, 0)
+
+
+def _copy(b: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    return {dev: {k: int(v) for k, v in cats.items()} for dev, cats in b.items()}

@@ -1,0 +1,80 @@
+"""Run a function on 2 real ranks (gloo, CPU) in spawned processes and collect what each returns."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], q: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        try:
+            q.put((rank, "ok", fn(*args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 300) -> list[Any]:
+    """``fn(*args)`` on ``world_size`` ranks; returns the per-rank results, rank order.
+
+    ``fn`` must be importable (a module-level function) and return picklable data.
+    """
+    import queue
+    import time
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, q)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout
+    # Drain while the ranks run: a large result would otherwise block its sender on a full pipe.
+    while len(results) + len(errors) < world_size and time.monotonic() < deadline:
+        try:
+            rank, status, value = q.get(timeout=1.0)
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs) and q.empty():
+                break
+            continue
+        if status == "ok":
+            results[rank] = value
+        else:
+            errors.append(f"rank {rank}:\n{value}")
+    for p in procs:
+        p.join(5 if len(results) == world_size else 1)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if errors or len(results) != world_size:
+        detail = errors or [f"only ranks {sorted(results)} returned (timeout {timeout}s or a crash)"]
+        raise RuntimeError("distributed test failed:\n" + "\n".join(detail))
+    return [results[r] for r in range(world_size)]

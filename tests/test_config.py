@@ -1,0 +1,47 @@
+"""Configuration validation: clear errors naming the argument and what is accepted."""
+
+import pytest
+
+from fsdp_mem_otel.config import TrackerConfig
+
+
+def test_defaults_are_light_and_valid() -> None:
+    cfg = TrackerConfig()
+    assert cfg.mode == "light" and cfg.deep_every == 0
+    assert not any(cfg.is_deep(s) for s in range(1, 50))
+
+
+def test_deep_every_marks_every_nth_step() -> None:
+    cfg = TrackerConfig(deep_every=3)
+    assert [s for s in range(1, 10) if cfg.is_deep(s)] == [3, 6, 9]
+    assert all(TrackerConfig(mode="deep").is_deep(s) for s in range(1, 5))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "needle"),
+    [
+        ({"mode": "heavy"}, ValueError, "mode must be one of light, deep"),
+        ({"deep_every": -1}, ValueError, "deep_every"),
+        ({"deep_every": 1.5}, TypeError, "deep_every"),
+        ({"deep_every": True}, TypeError, "deep_every"),
+        ({"max_errors": "3"}, TypeError, "max_errors"),
+        ({"enabled": "yes"}, TypeError, "enabled"),
+    ],
+)
+def test_bad_values_name_the_argument(kwargs: dict, exc: type, needle: str) -> None:
+    with pytest.raises(exc, match=needle):
+        TrackerConfig(**kwargs)
+
+
+def test_from_env_reads_and_validates() -> None:
+    cfg = TrackerConfig.from_env({"FSDP_MEM_OTEL_MODE": "deep", "FSDP_MEM_OTEL_DEEP_EVERY": "7"})
+    assert cfg.mode == "deep" and cfg.deep_every == 7
+    assert TrackerConfig.from_env({"FSDP_MEM_OTEL_ENABLED": "off"}).enabled is False
+    with pytest.raises(ValueError, match="FSDP_MEM_OTEL_DEEP_EVERY must be an integer"):
+        TrackerConfig.from_env({"FSDP_MEM_OTEL_DEEP_EVERY": "often"})
+    with pytest.raises(ValueError, match="FSDP_MEM_OTEL_ENABLED"):
+        TrackerConfig.from_env({"FSDP_MEM_OTEL_ENABLED": "maybe"})
+    # code wins over the environment
+    assert TrackerConfig.from_env({"FSDP_MEM_OTEL_MODE": "deep"}, mode="light").mode == "light"
+    with pytest.raises(TypeError, match="unknown config field 'colour'"):
+        TrackerConfig.from_env({}, colour="red")

@@ -1,0 +1,63 @@
+"""Ledger accounting against numel x element size, on plain CPU tensors."""
+
+import torch
+
+from fsdp_mem_otel.ledger import Ledger
+from fsdp_mem_otel.model import ACTIVATION, ALL_GATHER, TEMP, TOTAL
+
+
+def test_track_counts_storage_once_and_frees_on_gc() -> None:
+    ledger = Ledger()
+    a = torch.empty(100, dtype=torch.float32)
+    view = a[10:20]
+    ledger.track(a, ACTIVATION)
+    ledger.track(view, ACTIVATION)  # same storage: counted once
+    assert ledger.current["cpu"][ACTIVATION] == a.numel() * a.element_size()
+    del a, view
+    assert ledger.current["cpu"][ACTIVATION] == 0
+    assert len(ledger) == 0
+
+
+def test_recategorize_moves_bytes_without_changing_total() -> None:
+    ledger = Ledger()
+    t = torch.empty(64, dtype=torch.bfloat16)
+    ledger.track(t, TEMP)
+    ledger.track(t, ALL_GATHER, recategorize=False)
+    assert ledger.current["cpu"][TEMP] == 128
+    ledger.track(t, ALL_GATHER)
+    assert ledger.current["cpu"][TEMP] == 0
+    assert ledger.current["cpu"][ALL_GATHER] == 128
+    assert ledger.current["cpu"][TOTAL] == 128
+
+
+def test_refresh_follows_storage_resize() -> None:
+    ledger = Ledger()
+    t = torch.empty(256)
+    ledger.track(t, ACTIVATION)
+    t.untyped_storage().resize_(0)
+    ledger.refresh(t)
+    assert ledger.current["cpu"][TOTAL] == 0
+    t.untyped_storage().resize_(1024)
+    ledger.refresh(t)
+    assert ledger.current["cpu"][TOTAL] == 1024
+
+
+def test_step_and_window_peaks_nest() -> None:
+    ledger = Ledger()
+    keep = torch.empty(10)  # 40 bytes live throughout
+    ledger.track(keep, ACTIVATION)
+    ledger.reset_step()
+    ledger.open_window()  # outer
+    ledger.open_window()  # inner
+    big = torch.empty(100)
+    ledger.track(big, TEMP)
+    del big
+    inner = ledger.close_window()
+    assert inner["cpu"][TOTAL] == 440 and inner["cpu"][TEMP] == 400
+    small = torch.empty(50)
+    ledger.track(small, TEMP)
+    outer = ledger.close_window()
+    assert outer["cpu"][TOTAL] == 440  # the inner peak folded into the outer window
+    assert ledger.step_peak()["cpu"][TOTAL] == 440
+    ledger.reset_step()
+    assert ledger.step_peak()["cpu"][TOTAL] == 240  # restarts from what is live: keep + small

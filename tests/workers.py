@@ -1,0 +1,214 @@
+"""Code that runs on each rank of the distributed tests (spawned by tests/dist.py).
+
+Workers return plain data; the tests assert on it. Oracles computed here are independent of the
+tracker: numel x element size of what FSDP holds, and upstream FSDPMemTracker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_mem_otel.demo import WrapOptions, build, make_batch, train_step
+from fsdp_mem_otel.model import TOTAL
+from fsdp_mem_otel.tracker import FSDPMemoryTracker
+
+BLOCKS, WIDTH, BATCH = 3, 64, 16
+
+
+def _bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def sharded_param_bytes(model: nn.Module) -> int:
+    """Bytes of this rank's parameter shards, by numel x element size of what model.parameters() holds."""
+    return sum(_bytes(p) for p in model.parameters())
+
+
+def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(_bytes(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+
+
+def grad_bytes(model: nn.Module) -> int:
+    return sum(_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+
+
+def block_param_bytes() -> int:
+    """Unsharded bytes of one Block's parameters, from the unwrapped module."""
+    from fsdp_mem_otel.demo import Block
+
+    return sum(p.numel() * p.element_size() for p in Block(WIDTH).parameters())
+
+
+def run_config(opts_dict: dict[str, Any], steps: int = 3, micro_batches: int = 1, mode: str = "light",
+               deep_every: int = 0) -> dict[str, Any]:
+    """Train ``steps`` steps under the tracker; return reports and oracles."""
+    opts = WrapOptions(**opts_dict)
+    rank = torch.distributed.get_rank()
+    model, opt = build(BLOCKS, WIDTH, opts)
+    tracker = FSDPMemoryTracker(model, opt, mode=mode, deep_every=deep_every)
+    reports = []
+    with tracker:
+        for step in range(steps):
+            x = make_batch(step, BATCH, WIDTH, rank)
+            train_step(model, opt, x, micro_batches=micro_batches, on_inputs=tracker.track_inputs)
+            reports.append(tracker.step().to_dict())
+    return {
+        "keys": tracker.module_keys,
+        "reports": reports,
+        "errors_total": tracker.errors_total,
+        "oracle": {
+            "sharded_param": sharded_param_bytes(model),
+            "optimizer_state": optimizer_state_bytes(opt),
+            "sharded_grad": grad_bytes(model),
+            "block_params": block_param_bytes(),
+            "param_names": [n for n, _ in model.named_parameters()],
+        },
+    }
+
+
+def run_configs(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [run_config(**c) for c in configs]
+
+
+def _upstream_snapshot(snap: dict[Any, dict[Any, int]]) -> dict[str, dict[str, int]]:
+    """Upstream's {device: {_FSDPRefType: bytes}} in our key names."""
+    names = {
+        "Sharded Param": "sharded_param",
+        "Unsharded Param": "unsharded_param",
+        "Buffer": "buffer",
+        "Sharded Grad": "sharded_grad",
+        "Unsharded Grad": "unsharded_grad",
+        "Activation": "activation",
+        "Temp": "temp",
+        "All Gather": "all_gather",
+        "Reduce Scatter": "reduce_scatter",
+        "OptState": "optimizer_state",
+        "Inputs": "inputs",
+        "Total": TOTAL,
+    }
+    out = {}
+    for dev, cats in snap.items():
+        out[str(dev)] = {names[getattr(k, "value", k)]: int(v) for k, v in cats.items()}
+    return out
+
+
+def parity_with_upstream(opts_dict: dict[str, Any]) -> dict[str, Any]:
+    """Warm up one step, measure one step in deep mode, then the same step under upstream.
+
+    The steps use the same input, so their memory is the same; then a light and a deep step
+    (deep_every=2) on the same input for the light-vs-deep comparison.
+    """
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    rank = torch.distributed.get_rank()
+    model, opt = build(BLOCKS, WIDTH, WrapOptions(**opts_dict))
+    x = make_batch(0, BATCH, WIDTH, rank)
+    train_step(model, opt, x)
+
+    ours = FSDPMemoryTracker(model, opt, mode="deep")
+    with ours:
+        ours.track_inputs(x)
+        train_step(model, opt, x)
+        deep = ours.step().to_dict()
+
+    upstream = FSDPMemTracker(model, opt)
+    upstream.track_inputs((x,))
+    with upstream:
+        train_step(model, opt, x)
+    up_modules = {}
+    for mod, stats in upstream.memory_tracking.items():
+        if not hasattr(stats, "snapshots"):
+            continue
+        key = stats.mod_fqn.split(".", 1)[1] if "." in stats.mod_fqn else "<root>"
+        up_modules[key] = {
+            state.value: [_upstream_snapshot(s) for s in calls] for state, calls in stats.snapshots.items()
+        }
+
+    alternating = FSDPMemoryTracker(model, opt, mode="light", deep_every=2)
+    pair = []
+    with alternating:
+        for _ in range(2):
+            alternating.track_inputs(x)
+            train_step(model, opt, x)
+            pair.append(alternating.step().to_dict())
+    return {
+        "deep": deep,
+        "upstream_peak": _upstream_snapshot(upstream.get_tracker_snapshot("peak")),
+        "upstream_modules": up_modules,
+        "light": pair[0],
+        "deep_again": pair[1],
+        "errors": ours.errors_total + alternating.errors_total,
+    }
+
+
+def containment(opts_dict: dict[str, Any]) -> dict[str, Any]:
+    """Break the tracker's own code mid-run; training must go on and match an untracked twin."""
+    rank = torch.distributed.get_rank()
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logging.getLogger("fsdp_mem_otel").addHandler(Keep())
+    losses = {}
+    for tracked in (False, True):
+        model, opt = build(BLOCKS, WIDTH, WrapOptions(**opts_dict))
+        tracker = FSDPMemoryTracker(model, opt, mode="light", deep_every=2) if tracked else None
+        if tracker is not None:
+            tracker.attach()
+            calls = {"n": 0}
+            real_snapshot = tracker.ledger.snapshot
+
+            def flaky_snapshot() -> dict[str, dict[str, int]]:
+                calls["n"] += 1
+                if calls["n"] % 3 == 0:
+                    raise RuntimeError("injected tracker failure")
+                return real_snapshot()
+
+            tracker.ledger.snapshot = flaky_snapshot  # type: ignore[method-assign]
+        run = []
+        for step in range(4):
+            x = make_batch(step, BATCH, WIDTH, rank)
+            run.append(train_step(model, opt, x))
+            if tracker is not None:
+                tracker.step()
+        losses[tracked] = run
+        if tracker is not None:
+            errors = tracker.errors_total
+            tracker.detach()
+    return {
+        "untracked": losses[False],
+        "tracked": losses[True],
+        "errors_total": errors,
+        "logged": sum(1 for r in records if "injected" in str(r.msg % r.args if r.args else r.msg)),
+    }
+
+
+def disable_after_errors(opts_dict: dict[str, Any]) -> dict[str, Any]:
+    """With max_errors=5 and a ledger that always fails, the tracker detaches itself cleanly."""
+    from fsdp_mem_otel.config import TrackerConfig
+
+    rank = torch.distributed.get_rank()
+    model, opt = build(BLOCKS, WIDTH, WrapOptions(**opts_dict))
+    tracker = FSDPMemoryTracker(model, opt, config=TrackerConfig(max_errors=5))
+    tracker.attach()
+
+    def broken() -> dict[str, dict[str, int]]:
+        raise RuntimeError("always broken")
+
+    tracker.ledger.snapshot = broken  # type: ignore[method-assign]
+    for step in range(3):
+        train_step(model, opt, make_batch(step, BATCH, WIDTH, rank))
+        tracker.step()
+    return {"disabled": tracker.disabled, "attached": tracker.attached, "errors_total": tracker.errors_total}
+
+
+def as_dict(opts: WrapOptions) -> dict[str, Any]:
+    return dataclasses.asdict(opts)
