@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 _ALL_GATHER_OPS = frozenset({torch.ops.c10d._allgather_base_.default})
 _REDUCE_SCATTER_OPS = frozenset({torch.ops.c10d._reduce_scatter_base_.default})
 _GATHER_PHASES = frozenset({"pre_forward", "pre_backward"})
+_GUESSES = frozenset({ACTIVATION, TEMP})
 _in_backward = torch._C._current_graph_task_id
 
 
@@ -51,11 +52,12 @@ class DeepMode(TorchDispatchMode):
                 category = ACTIVATION
             if func in _ALL_GATHER_OPS:
                 if tr.phase in _GATHER_PHASES:
-                    ledger.track(args[0], ALL_GATHER)
+                    ledger.relabel_guess(args[0], ALL_GATHER, _GUESSES)
             elif func in _REDUCE_SCATTER_OPS:
                 if tr.phase == "post_backward":
-                    ledger.track(args[1], REDUCE_SCATTER)
+                    ledger.relabel_guess(args[1], REDUCE_SCATTER, _GUESSES)
             _track_outputs(ledger, res, category)
+            ledger.offer_current()
         except Exception as exc:  # noqa: BLE001 - never break training
             tr.report_error(exc)
         return res

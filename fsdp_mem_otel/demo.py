@@ -103,7 +103,7 @@ def wrap(model: BlockModel, opts: WrapOptions) -> nn.Module:
             auto_wrap_policy=ModuleWrapPolicy({Block, InnerLinear} if opts.nested else {Block}),
             use_orig_params=opts.use_orig_params,
             sharding_strategy=strategy,
-            device_id=None,
+            device_id=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"),
         )
     raise ValueError(f"fsdp must be 1 or 2; got {opts.fsdp!r}")
 

@@ -83,6 +83,9 @@ class Ledger:
         self._step = _Window({})
         self._windows: list[_Window] = []
         self._device_names: dict[torch.device, str] = {}
+        # Light mode: every growth is a peak candidate. Deep mode turns this off and offers once
+        # per op (offer_current), the instants upstream MemTracker evaluates, so both agree.
+        self.offer_on_add = True
 
     # -- updates -------------------------------------------------------------------------------
     def track(self, t: torch.Tensor, category: str, recategorize: bool = True) -> None:
@@ -117,6 +120,17 @@ class Ledger:
             cats[entry[1]] -= entry[2]
             cats[category] += entry[2]
             entry[1] = category
+
+    def relabel_guess(self, t: torch.Tensor, category: str, guesses: frozenset[str]) -> None:
+        """Account ``t`` under ``category`` unless it already holds a category outside ``guesses``.
+
+        Deep mode's collective rules use this: a buffer first seen as a per-op guess (activation,
+        temp) becomes all_gather/reduce_scatter, but what an adapter named explicitly (FSDP1's
+        unsharded grad doubling as the reduce-scatter input) keeps its name.
+        """
+        for st in storages_of(t):
+            entry = self._entries.get(id(st))
+            self.track_storage(st, category, recategorize=entry is None or entry[1] in guesses)
 
     def refresh(self, t: torch.Tensor) -> None:
         """Re-read the sizes of ``t``'s storages (after ``resize_``), keeping their categories."""
@@ -154,7 +168,14 @@ class Ledger:
             cats = self.current[device] = dict.fromkeys(CATEGORY_KEYS, 0)
         cats[category] += delta
         cats[TOTAL] += delta
-        if delta > 0:
+        if delta > 0 and self.offer_on_add:
+            self._step.offer(device, cats)
+            if self._windows:
+                self._windows[-1].offer(device, cats)
+
+    def offer_current(self) -> None:
+        """Make the current breakdown a peak candidate for the step and the innermost window."""
+        for device, cats in self.current.items():
             self._step.offer(device, cats)
             if self._windows:
                 self._windows[-1].offer(device, cats)

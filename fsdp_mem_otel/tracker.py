@@ -234,6 +234,7 @@ class FSDPMemoryTracker:
             self._deep_mode = DeepMode(self)
             self._deep_mode.__enter__()
             RESIZE_WATCH.add(self.ledger)
+            self.ledger.offer_on_add = False
         except Exception as exc:  # noqa: BLE001
             self._deep_mode = None
             self.report_error(exc)
@@ -242,6 +243,7 @@ class FSDPMemoryTracker:
         mode, self._deep_mode = self._deep_mode, None
         if mode is None:
             return
+        self.ledger.offer_on_add = True
         RESIZE_WATCH.discard(self.ledger)
         try:
             from torch.utils._python_dispatch import _get_current_dispatch_mode

@@ -21,6 +21,8 @@ SCENARIOS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "nested_inner_checkpoint": ({"nested": True, "inner_checkpoint": True}, {}),
     "deep": ({}, {"mode": "deep"}),
     "deep_every_2": ({}, {"deep_every": 2, "steps": 4}),
+    "light_with_deep_shadow": ({}, {"shadow_deep": True}),
+    "ac_light_with_deep_shadow": ({"nested": True, "inner_checkpoint": True}, {"shadow_deep": True}),
 }
 FSDP1_ONLY: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "flat_params": ({"use_orig_params": False}, {}),

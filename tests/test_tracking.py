@@ -54,8 +54,11 @@ def test_reports_are_complete_every_step(runs: list[dict[str, Any]]) -> None:
                     calls = 2 * micro if (name == "repeat_first" and key == "layers.0") else micro
                     for state in FORWARD_STATES:
                         assert len(_calls(rep, key, state)) == calls, (name, key, state)
+                    # FSDP1 runs one pre-/post-backward per flat parameter per backward, however
+                    # often the module ran forward; FSDP2 one per forward call.
+                    bw_calls = micro if rep["fsdp_version"] == 1 else calls
                     for state in BACKWARD_STATES:
-                        assert len(_calls(rep, key, state)) == calls, (name, key, state)
+                        assert len(_calls(rep, key, state)) == bw_calls, (name, key, state)
                     # every snapshot fits under the step peak
                     for state in STATES:
                         for snap in _calls(rep, key, state):
@@ -65,8 +68,8 @@ def test_reports_are_complete_every_step(runs: list[dict[str, Any]]) -> None:
 def test_module_keys_are_the_users_paths_for_both_generations(
     fsdp1_runs: list[dict[str, Any]], fsdp2_runs: list[dict[str, Any]]
 ) -> None:
-    for name in SCENARIOS:
-        nested = name.startswith("nested")
+    for name, (wrap, _) in SCENARIOS.items():
+        nested = wrap.get("nested", False)
         assert fsdp2_runs[0][name]["keys"] == fsdp1_runs[0][name]["keys"], name
         assert sorted(fsdp2_runs[0][name]["keys"]) == sorted(_expected_keys(nested)), name
 
@@ -142,7 +145,7 @@ def _compare_light_to_deep(light: dict[str, Any], deep: dict[str, Any]) -> int:
     compared = 0
     assert (light["mode"], deep["mode"]) == ("light", "deep")
     for key, mod in deep["modules"].items():
-        for state in BOUNDARY_STATES:
+        for state in BOUNDARY_STATES + ("pre_forward_ac", "post_forward_ac"):
             d_calls = mod["snapshots"].get(state, [])
             l_calls = _calls(light, key, state)
             assert len(l_calls) == len(d_calls), (key, state)
@@ -153,10 +156,10 @@ def _compare_light_to_deep(light: dict[str, Any], deep: dict[str, Any]) -> int:
     return compared
 
 
-@pytest.mark.parametrize("fsdp", [1, 2])
-def test_light_mode_exact_categories_agree_with_deep(fsdp: int, request: pytest.FixtureRequest) -> None:
-    by_rank = request.getfixturevalue(f"fsdp{fsdp}_runs")
-    for by_name in by_rank:
-        reports = by_name["deep_every_2"]["reports"]
-        # steps 3 (light) and 4 (deep): same shapes, so the same memory at every boundary
-        assert _compare_light_to_deep(reports[2], reports[3]) > 0
+@pytest.mark.parametrize("scenario", ["light_with_deep_shadow", "ac_light_with_deep_shadow"])
+def test_light_mode_exact_categories_agree_with_deep(runs: list[dict[str, Any]], scenario: str) -> None:
+    # A light and a deep tracker attached to the same model measure the very same steps.
+    for by_name in runs:
+        run = by_name[scenario]
+        for light, deep in zip(run["reports"], run["shadow_reports"], strict=True):
+            assert _compare_light_to_deep(light, deep) > 0

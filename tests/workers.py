@@ -7,6 +7,7 @@ tracker: numel x element size of what FSDP holds, and upstream FSDPMemTracker.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from typing import Any
 
@@ -18,6 +19,16 @@ from fsdp_mem_otel.model import TOTAL
 from fsdp_mem_otel.tracker import FSDPMemoryTracker
 
 BLOCKS, WIDTH, BATCH = 3, 64, 16
+
+
+def settle() -> None:
+    """Free cyclic garbage now and keep the collector out of the next step.
+
+    FSDP keeps some buffers in reference cycles; when the cyclic collector happens to run inside
+    a step, memory is freed at a different point, so two identical steps would differ.
+    """
+    gc.collect()
+    gc.disable()
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -46,22 +57,37 @@ def block_param_bytes() -> int:
 
 
 def run_config(opts_dict: dict[str, Any], steps: int = 3, micro_batches: int = 1, mode: str = "light",
-               deep_every: int = 0) -> dict[str, Any]:
-    """Train ``steps`` steps under the tracker; return reports and oracles."""
+               deep_every: int = 0, shadow_deep: bool = False) -> dict[str, Any]:
+    """Train ``steps`` steps under the tracker; return reports and oracles.
+
+    ``shadow_deep`` attaches a second, deep-mode tracker to the same model, so both measure the
+    very same steps (for comparing light mode with deep mode).
+    """
     opts = WrapOptions(**opts_dict)
     rank = torch.distributed.get_rank()
     model, opt = build(BLOCKS, WIDTH, opts)
     tracker = FSDPMemoryTracker(model, opt, mode=mode, deep_every=deep_every)
-    reports = []
+    shadow = FSDPMemoryTracker(model, opt, mode="deep") if shadow_deep else None
+    reports, shadow_reports = [], []
     with tracker:
+        if shadow is not None:
+            shadow.attach()
         for step in range(steps):
+            settle()
             x = make_batch(step, BATCH, WIDTH, rank)
+            if shadow is not None:
+                shadow.track_inputs(x)
             train_step(model, opt, x, micro_batches=micro_batches, on_inputs=tracker.track_inputs)
             reports.append(tracker.step().to_dict())
+            if shadow is not None:
+                shadow_reports.append(shadow.step().to_dict())
+        if shadow is not None:
+            shadow.detach()
     return {
         "keys": tracker.module_keys,
         "reports": reports,
-        "errors_total": tracker.errors_total,
+        "shadow_reports": shadow_reports,
+        "errors_total": tracker.errors_total + (shadow.errors_total if shadow else 0),
         "oracle": {
             "sharded_param": sharded_param_bytes(model),
             "optimizer_state": optimizer_state_bytes(opt),
@@ -99,10 +125,9 @@ def _upstream_snapshot(snap: dict[Any, dict[Any, int]]) -> dict[str, dict[str, i
 
 
 def parity_with_upstream(opts_dict: dict[str, Any]) -> dict[str, Any]:
-    """Warm up one step, measure one step in deep mode, then the same step under upstream.
-
-    The steps use the same input, so their memory is the same; then a light and a deep step
-    (deep_every=2) on the same input for the light-vs-deep comparison.
+    """After one warm-up step, measure one step with upstream FSDPMemTracker, our deep tracker and
+    our light tracker all at once (ours attached inside upstream's context, so our hooks run
+    first and our windows enclose upstream's): the three see the very same step.
     """
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
@@ -111,39 +136,32 @@ def parity_with_upstream(opts_dict: dict[str, Any]) -> dict[str, Any]:
     x = make_batch(0, BATCH, WIDTH, rank)
     train_step(model, opt, x)
 
-    ours = FSDPMemoryTracker(model, opt, mode="deep")
-    with ours:
-        ours.track_inputs(x)
-        train_step(model, opt, x)
-        deep = ours.step().to_dict()
-
+    settle()
     upstream = FSDPMemTracker(model, opt)
     upstream.track_inputs((x,))
     with upstream:
+        deep = FSDPMemoryTracker(model, opt, mode="deep").attach()
+        light = FSDPMemoryTracker(model, opt, mode="light").attach()
+        deep.track_inputs(x)
+        light.track_inputs(x)
         train_step(model, opt, x)
+        light_report, deep_report = light.step().to_dict(), deep.step().to_dict()
+        light.detach()
+        deep.detach()
     up_modules = {}
-    for mod, stats in upstream.memory_tracking.items():
+    for stats in upstream.memory_tracking.values():
         if not hasattr(stats, "snapshots"):
             continue
         key = stats.mod_fqn.split(".", 1)[1] if "." in stats.mod_fqn else "<root>"
         up_modules[key] = {
             state.value: [_upstream_snapshot(s) for s in calls] for state, calls in stats.snapshots.items()
         }
-
-    alternating = FSDPMemoryTracker(model, opt, mode="light", deep_every=2)
-    pair = []
-    with alternating:
-        for _ in range(2):
-            alternating.track_inputs(x)
-            train_step(model, opt, x)
-            pair.append(alternating.step().to_dict())
     return {
-        "deep": deep,
+        "deep": deep_report,
+        "light": light_report,
         "upstream_peak": _upstream_snapshot(upstream.get_tracker_snapshot("peak")),
         "upstream_modules": up_modules,
-        "light": pair[0],
-        "deep_again": pair[1],
-        "errors": ours.errors_total + alternating.errors_total,
+        "errors": deep.errors_total + light.errors_total,
     }
 
 
