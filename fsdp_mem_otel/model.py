@@ -79,12 +79,21 @@ DeviceBreakdown = dict[str, dict[str, int]]
 
 @dataclass
 class ModuleReport:
-    """Snapshots of one FSDP module during one step: state -> one breakdown per call."""
+    """Snapshots of one FSDP module during one step: state -> one breakdown per call.
+
+    ``times`` runs parallel to ``snapshots``: state -> wall-clock time (ns since the epoch) of
+    each snapshot; for peak states, when the window closed. Forward of call i spans
+    times["before_pre_forward"][i] .. times["after_post_forward"][i]; backward likewise.
+    """
 
     snapshots: dict[str, list[DeviceBreakdown]] = field(default_factory=dict)
+    times: dict[str, list[int]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"snapshots": {s: [_copy(b) for b in calls] for s, calls in self.snapshots.items()}}
+        return {
+            "snapshots": {s: [_copy(b) for b in calls] for s, calls in self.snapshots.items()},
+            "times": {s: list(t) for s, t in self.times.items()},
+        }
 
     def peak_total(self, state: str) -> int:
         """Largest ``total`` over devices and calls for ``state`` (0 if never reached)."""
@@ -107,10 +116,15 @@ class StepReport:
     modules: dict[str, ModuleReport]
     module_order: list[str] = field(default_factory=list)
     current: DeviceBreakdown = field(default_factory=dict)
+    #: device -> allocator statistic -> value (see allocator.py for the keys)
+    allocator: dict[str, dict[str, float]] = field(default_factory=dict)
+    local_rank: int = 0
     duration_seconds: float = 0.0
     tracker_overhead_seconds: float = 0.0
     errors_total: int = 0
     timestamp: float = 0.0
+    start_time_ns: int = 0
+    end_time_ns: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -123,10 +137,14 @@ class StepReport:
             "current": _copy(self.current),
             "modules": {k: m.to_dict() for k, m in self.modules.items()},
             "module_order": list(self.module_order),
+            "allocator": {d: dict(v) for d, v in self.allocator.items()},
+            "local_rank": self.local_rank,
             "duration_seconds": self.duration_seconds,
             "tracker_overhead_seconds": self.tracker_overhead_seconds,
             "errors_total": self.errors_total,
             "timestamp": self.timestamp,
+            "start_time_ns": self.start_time_ns,
+            "end_time_ns": self.end_time_ns,
         }
 
     def to_json(self) -> str:
@@ -145,15 +163,20 @@ class StepReport:
             current=_copy(data.get("current", {})),
             modules={
                 k: ModuleReport(
-                    {s: [_copy(b) for b in calls] for s, calls in m["snapshots"].items()}
+                    {s: [_copy(b) for b in calls] for s, calls in m["snapshots"].items()},
+                    {s: [int(t) for t in ts] for s, ts in m.get("times", {}).items()},
                 )
                 for k, m in data["modules"].items()
             },
             module_order=list(data.get("module_order", [])),
+            allocator={d: dict(v) for d, v in data.get("allocator", {}).items()},
+            local_rank=int(data.get("local_rank", 0)),
             duration_seconds=float(data.get("duration_seconds", 0.0)),
             tracker_overhead_seconds=float(data.get("tracker_overhead_seconds", 0.0)),
             errors_total=int(data.get("errors_total", 0)),
             timestamp=float(data.get("timestamp", 0.0)),
+            start_time_ns=int(data.get("start_time_ns", 0)),
+            end_time_ns=int(data.get("end_time_ns", 0)),
         )
 
     def peak_total(self, device: str | None = None) -> int:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -16,6 +18,7 @@ from fsdp_mem_otel.adapters import make_adapter
 from fsdp_mem_otel.adapters.base import iter_tensors
 from fsdp_mem_otel.config import TrackerConfig
 from fsdp_mem_otel.deep import RESIZE_WATCH, DeepMode
+from fsdp_mem_otel.exporters import Exporter
 from fsdp_mem_otel.ledger import Ledger
 from fsdp_mem_otel.model import (
     AFTER_POST_BACKWARD,
@@ -65,6 +68,8 @@ class FSDPMemoryTracker:
         mode: "light" (default: no per-op cost) or "deep" (every op accounted).
         deep_every: with mode="light", run every Nth step deep (0 = never).
         config: a full TrackerConfig instead of mode/deep_every.
+        exporters: objects with export(report)/shutdown() (see fsdp_mem_otel.exporters) that get
+            every StepReport; their failures are counted and logged, never raised.
 
     Use ``with tracker:`` (or attach()/detach()) around the whole run and call ``step()`` once per
     training step, after ``optimizer.step()``. Internal failures are logged once, counted in
@@ -79,6 +84,7 @@ class FSDPMemoryTracker:
         mode: str | None = None,
         deep_every: int | None = None,
         config: TrackerConfig | None = None,
+        exporters: Sequence[Exporter] = (),
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module wrapped with FSDP; got {type(model).__name__}")
@@ -91,6 +97,10 @@ class FSDPMemoryTracker:
             config = TrackerConfig.from_env(**overrides)
         elif overrides:
             raise ValueError("pass either config or mode/deep_every, not both")
+        for i, exp in enumerate(exporters):
+            if not (callable(getattr(exp, "export", None)) and callable(getattr(exp, "shutdown", None))):
+                raise TypeError(f"exporters[{i}] must have export(report) and shutdown(); got {type(exp).__name__}")
+        self.exporters = list(exporters)
         self.config = config
         self.model = model
         self.optimizer = optimizer
@@ -100,6 +110,7 @@ class FSDPMemoryTracker:
             _check_optimizer_covers_model(optimizer, model)
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
 
         # What FSDP is doing now: read per op by deep mode.
         self.phase = "idle"
@@ -173,6 +184,7 @@ class FSDPMemoryTracker:
         """
         now = time.perf_counter()
         self.steps_completed += 1
+        end_ns = time.time_ns()
         report = StepReport(
             step=self.steps_completed,
             rank=self.rank,
@@ -184,7 +196,10 @@ class FSDPMemoryTracker:
             module_order=self.module_keys,
             duration_seconds=now - self._step_started,
             errors_total=self.errors_total,
-            timestamp=time.time(),
+            timestamp=end_ns / 1e9,
+            local_rank=self.local_rank,
+            start_time_ns=self._step_started_ns,
+            end_time_ns=end_ns,
         )
         try:
             self._close_open_windows()
@@ -198,9 +213,23 @@ class FSDPMemoryTracker:
         self._leave_deep()
         self._reset_step_state()
         self.ledger.reset_step()
+        for exporter in self.exporters:
+            try:
+                exporter.export(report)
+            except Exception as exc:  # noqa: BLE001 - an exporter must not break training
+                self.report_error(exc)
         if self.attached:
             self._begin_step()
         return report
+
+    def close(self) -> None:
+        """Detach and shut every exporter down (flushing what they hold). Safe to call twice."""
+        self.detach()
+        for exporter in self.exporters:
+            try:
+                exporter.shutdown()
+            except Exception as exc:  # noqa: BLE001
+                self.report_error(exc)
 
     def track_inputs(self, obj: Any) -> None:
         """Account the tensors in ``obj`` (nested lists/tuples/dicts) as model inputs."""
@@ -216,6 +245,7 @@ class FSDPMemoryTracker:
         self._windows: list[tuple[str, str]] = []  # (module key, peak state) per open window
         self._overhead = 0.0
         self._step_started = time.perf_counter()
+        self._step_started_ns = time.time_ns()
         self.phase = "idle"
         self.in_ac_recompute = False
         self._ac_key = None
@@ -269,7 +299,9 @@ class FSDPMemoryTracker:
         calls = mod.snapshots.get(state)
         if calls is None:
             calls = mod.snapshots[state] = []
+            mod.times[state] = []
         calls.append(snap)
+        mod.times[state].append(time.time_ns())
 
     # -- EventSink (called by adapters from FSDP hooks) ---------------------------------------
     def on_state(self, key: str, state: str) -> None:
