@@ -71,16 +71,19 @@ class _Variant:
             self.tracker.step()
 
 
-def _time_steps(variant: _Variant, xs: list[torch.Tensor]) -> list[float]:
-    times = []
+def _time_steps(variant: _Variant, xs: list[torch.Tensor]) -> tuple[list[float], list[float]]:
+    """Wall time (barrier to barrier) and this rank's main-thread CPU time of each step."""
+    wall, cpu = [], []
     with variant.session():
         for x in xs:
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             variant.step(x)
+            c1 = time.thread_time()
             dist.barrier()
-            times.append(time.perf_counter() - t0)
-    return times
+            wall.append(time.perf_counter() - t0)
+            cpu.append(c1 - c0)
+    return wall, cpu
 
 
 def measure(model_name: str, rounds: int, steps: int, rank: int, log: Callable[[str], None]) -> dict[str, float]:
@@ -90,14 +93,18 @@ def measure(model_name: str, rounds: int, steps: int, rank: int, log: Callable[[
     variants = [_Variant(name, model, opt) for name in VARIANTS]
     for v in variants:  # warm-up: lazy init, optimizer state, upstream's first-iteration costs
         _time_steps(v, xs[:2])
-    samples: dict[str, list[float]] = {v.name: [] for v in variants}
+    wall: dict[str, list[float]] = {v.name: [] for v in variants}
+    cpu: dict[str, list[float]] = {v.name: [] for v in variants}
     for r in range(rounds):
         order = variants if r % 2 == 0 else list(reversed(variants))
         for v in order:
-            samples[v.name].append(statistics.median(_time_steps(v, xs)))
+            w, c = _time_steps(v, xs)
+            wall[v.name].append(statistics.median(w))
+            cpu[v.name].append(statistics.median(c))
         log(f"  {model_name}: round {r + 1}/{rounds}")
-    base = statistics.median(samples["untracked"])
-    ratios = {name: statistics.median(s) / base for name, s in samples.items()}
+    base, cpu_base = statistics.median(wall["untracked"]), statistics.median(cpu["untracked"])
+    ratios = {name: statistics.median(s) / base for name, s in wall.items()}
+    ratios.update({f"cpu:{name}": statistics.median(s) / cpu_base for name, s in cpu.items()})
     ratios["untracked_step_ms"] = base * 1e3
     return ratios
 
@@ -140,9 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     res = {m: measure(m, args.rounds, args.steps, rank, log) for m in models}
     if rank == 0:
         print(f"world_size={world} torch={torch.__version__} rounds={args.rounds} steps={args.steps}")
+        print("step-time ratio to untracked (wall, barrier to barrier; median of per-round medians)")
         print(f"{'model':<13} {'untracked ms':>12} " + " ".join(f"{v:>15}" for v in VARIANTS[1:]))
         for m, r in res.items():
             print(f"{m:<13} {r['untracked_step_ms']:>12.2f} " + " ".join(f"{r[v]:>14.3f}x" for v in VARIANTS[1:]))
+        print("CPU-time ratio to untracked (rank 0 training thread; less sensitive to machine noise)")
+        for m, r in res.items():
+            print(f"{m:<13} {'':>12} " + " ".join(f"{r['cpu:' + v]:>14.3f}x" for v in VARIANTS[1:]))
         if all(m in res for m in ("dispatch-16", "dispatch-64")):
             misses = check_targets(res)
             print("targets: all met" if not misses else "targets missed:\n  " + "\n  ".join(misses))

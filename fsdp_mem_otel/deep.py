@@ -9,6 +9,7 @@ peaks are kept by the ledger's nested windows).
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from fsdp_mem_otel.ledger import Ledger
     from fsdp_mem_otel.tracker import FSDPMemoryTracker
 
+logger = logging.getLogger("fsdp_mem_otel")
 _ALL_GATHER_OPS = frozenset({torch.ops.c10d._allgather_base_.default})
 _REDUCE_SCATTER_OPS = frozenset({torch.ops.c10d._reduce_scatter_base_.default})
 _GATHER_PHASES = frozenset({"pre_forward", "pre_backward"})
@@ -94,11 +96,14 @@ class _ResizeWatch:
             def resize_(st: torch.UntypedStorage, size: int) -> Any:
                 out = orig(st, size)
                 for lg in list(ledgers):
-                    lg.refresh_storage(st)
+                    try:
+                        lg.refresh_storage(st)
+                    except Exception:  # noqa: BLE001 - never break the caller's resize
+                        logger.debug("fsdp_mem_otel: resize accounting failed", exc_info=True)
                 return out
 
             self._orig, self._wrapper = orig, resize_
-            torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+            torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
 
     def discard(self, ledger: Ledger) -> None:
         self._ledgers.discard(ledger)

@@ -103,9 +103,13 @@ def wrap(model: BlockModel, opts: WrapOptions) -> nn.Module:
             auto_wrap_policy=ModuleWrapPolicy({Block, InnerLinear} if opts.nested else {Block}),
             use_orig_params=opts.use_orig_params,
             sharding_strategy=strategy,
-            device_id=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"),
+            device_id=_device(),
         )
     raise ValueError(f"fsdp must be 1 or 2; got {opts.fsdp!r}")
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def build(blocks: int, width: int, opts: WrapOptions, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -146,3 +150,72 @@ def init_distributed() -> tuple[int, int]:
         dist.init_process_group("gloo")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     return dist.get_rank(), dist.get_world_size()
+
+
+def run_demo(argv: list[str] | None = None) -> int:
+    """Rank-side demo: train under the tracker, print progress and, on rank 0, per-module tables."""
+    import argparse
+    import time
+
+    from fsdp_mem_otel.table import module_table, peak_table
+    from fsdp_mem_otel.tracker import FSDPMemoryTracker
+
+    p = argparse.ArgumentParser(prog="fsdp_mem_otel.demo")
+    _add_demo_args(p)
+    args = p.parse_args(argv)
+    rank, world = init_distributed()
+    model, opt = build(args.blocks, args.width, WrapOptions(fsdp=args.fsdp))
+    tracker = FSDPMemoryTracker(model, opt, mode=args.mode, deep_every=args.deep_every)
+    last_deep = None
+    with tracker:
+        t0 = time.perf_counter()
+        for step in range(args.steps):
+            x = make_batch(step, args.batch, args.width, rank)
+            loss = train_step(model, opt, x, on_inputs=tracker.track_inputs)
+            report = tracker.step()
+            if report.mode == "deep":
+                last_deep = report
+            if rank == 0:
+                print(
+                    f"[rank 0] step {report.step}/{args.steps} {report.mode:<5} loss {loss:.4f} "
+                    f"peak {report.peak_total() / 2**10:.1f} KiB ({time.perf_counter() - t0:.1f}s)",
+                    flush=True,
+                )
+    if rank == 0:
+        for rep in [r for r in (last_deep, report) if r is not None]:
+            print(f"\nStep {rep.step} ({rep.mode} mode), FSDP{rep.fsdp_version}, rank 0 of {world}:")
+            print(peak_table(rep))
+            print()
+            print(module_table(rep))
+        print(f"\ntracker errors: {tracker.errors_total}")
+    dist.destroy_process_group()
+    return 0
+
+
+def _add_demo_args(p: object) -> None:
+    import argparse
+
+    assert isinstance(p, argparse.ArgumentParser)
+    p.add_argument("--steps", type=_positive, default=20, help="training steps (default 20)")
+    p.add_argument("--fsdp", type=int, choices=(1, 2), default=2, help="FSDP generation (default 2)")
+    p.add_argument("--blocks", type=_positive, default=4, help="residual blocks (default 4)")
+    p.add_argument("--width", type=_positive, default=64, help="block width (default 64)")
+    p.add_argument("--batch", type=_positive, default=32, help="batch size per rank (default 32)")
+    p.add_argument("--mode", choices=("light", "deep"), default="light", help="tracker mode (default light)")
+    p.add_argument("--deep-every", type=int, default=5, help="run every Nth step deep (default 5; 0 = never)")
+
+
+def _positive(raw: str) -> int:
+    import argparse
+
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {raw!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_demo())

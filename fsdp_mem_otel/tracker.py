@@ -94,7 +94,7 @@ class FSDPMemoryTracker:
             raise TypeError(f"config must be a TrackerConfig or None; got {type(config).__name__}")
         overrides = {k: v for k, v in (("mode", mode), ("deep_every", deep_every)) if v is not None}
         if config is None:
-            config = TrackerConfig.from_env(**overrides)
+            config = TrackerConfig.from_env(None, **overrides)
         elif overrides:
             raise ValueError("pass either config or mode/deep_every, not both")
         for i, exp in enumerate(exporters):

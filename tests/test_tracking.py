@@ -6,7 +6,6 @@ from typing import Any
 
 import pytest
 
-from fsdp_mem_otel.demo import BlockModel
 from fsdp_mem_otel.model import (
     AFTER_PRE_FORWARD,
     BEFORE_PRE_FORWARD,
@@ -15,7 +14,7 @@ from fsdp_mem_otel.model import (
     TOTAL,
 )
 from tests.conftest import FSDP1_ONLY, SCENARIOS
-from tests.workers import BLOCKS
+from tests.workers import BLOCKS, _expected_module_keys
 
 BOUNDARY_STATES = STATES[:8]
 FORWARD_STATES = STATES[:4]
@@ -26,14 +25,6 @@ def _cpu(snap: dict[str, dict[str, int]]) -> dict[str, int]:
     return snap["cpu"]
 
 
-def _expected_keys(nested: bool) -> list[str]:
-    """Oracle: the unwrapped model's own module names for what gets sharded."""
-    names = ["<root>"] + [f"layers.{i}" for i in range(BLOCKS)]
-    if nested:
-        names += [f"layers.{i}.fc1" for i in range(BLOCKS)]
-    plain = dict(BlockModel(BLOCKS, 8).named_modules())
-    assert all(n in plain for n in names if n != "<root>")
-    return names
 
 
 def _calls(report: dict[str, Any], key: str, state: str) -> list[dict[str, dict[str, int]]]:
@@ -71,7 +62,7 @@ def test_module_keys_are_the_users_paths_for_both_generations(
     for name, (wrap, _) in SCENARIOS.items():
         nested = wrap.get("nested", False)
         assert fsdp2_runs[0][name]["keys"] == fsdp1_runs[0][name]["keys"], name
-        assert sorted(fsdp2_runs[0][name]["keys"]) == sorted(_expected_keys(nested)), name
+        assert sorted(fsdp2_runs[0][name]["keys"]) == sorted(_expected_module_keys(BLOCKS, nested)), name
 
 
 def test_persistent_categories_match_numel_times_element_size(runs: list[dict[str, Any]]) -> None:

@@ -49,6 +49,15 @@ def grad_bytes(model: nn.Module) -> int:
     return sum(_bytes(p.grad) for p in model.parameters() if p.grad is not None)
 
 
+def _expected_module_keys(blocks: int, nested: bool = False) -> list[str]:
+    """Oracle for module keys: the unwrapped model's own names of what gets sharded."""
+    from fsdp_mem_otel.demo import Block, BlockModel, InnerLinear
+
+    kinds = (Block, InnerLinear) if nested else (Block,)
+    plain = BlockModel(blocks, 8)
+    return ["<root>"] + [n for n, m in plain.named_modules() if isinstance(m, kinds)]
+
+
 def block_param_bytes() -> int:
     """Unsharded bytes of one Block's parameters, from the unwrapped module."""
     from fsdp_mem_otel.demo import Block
@@ -181,16 +190,7 @@ def containment(opts_dict: dict[str, Any]) -> dict[str, Any]:
         tracker = FSDPMemoryTracker(model, opt, mode="light", deep_every=2) if tracked else None
         if tracker is not None:
             tracker.attach()
-            calls = {"n": 0}
-            real_snapshot = tracker.ledger.snapshot
-
-            def flaky_snapshot() -> dict[str, dict[str, int]]:
-                calls["n"] += 1
-                if calls["n"] % 3 == 0:
-                    raise RuntimeError("injected tracker failure")
-                return real_snapshot()
-
-            tracker.ledger.snapshot = flaky_snapshot  # type: ignore[method-assign]
+            tracker.ledger.snapshot = _flaky(tracker.ledger.snapshot)  # type: ignore[method-assign]
         run = []
         for step in range(4):
             x = make_batch(step, BATCH, WIDTH, rank)
@@ -207,6 +207,19 @@ def containment(opts_dict: dict[str, Any]) -> dict[str, Any]:
         "errors_total": errors,
         "logged": sum(1 for r in records if "injected" in str(r.msg % r.args if r.args else r.msg)),
     }
+
+
+def _flaky(real: Any) -> Any:
+    """``real`` that raises on every third call."""
+    calls = {"n": 0}
+
+    def flaky() -> Any:
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            raise RuntimeError("injected tracker failure")
+        return real()
+
+    return flaky
 
 
 def disable_after_errors(opts_dict: dict[str, Any]) -> dict[str, Any]:

@@ -76,4 +76,4 @@ def iter_tensors(obj: object) -> Iterable[torch.Tensor]:
 
 def fsdp_module_paths(model: nn.Module, is_fsdp: type | tuple[type, ...]) -> list[tuple[str, nn.Module]]:
     """(path, module) for each FSDP-wrapped module in ``model``, in named_modules() order."""
-    return [(p, m) for p, m in model.named_modules() if isinstance(m, is_fsdp)]
+    return [(p, m) for p, m in model.named_modules() if isinstance(m, is_fsdp)]  # type: ignore[misc]

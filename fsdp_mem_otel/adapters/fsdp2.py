@@ -52,6 +52,7 @@ from fsdp_mem_otel.model import (
     UNSHARDED_PARAM,
 )
 
+
 class _SavedAttr(NamedTuple):
     """An instance attribute we replaced: whether it existed before, and its old value."""
 

@@ -1,0 +1,35 @@
+"""The README's demo command: a real 2-rank FSDP run under torchrun that prints per-module tables."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.workers import _expected_module_keys
+
+
+@pytest.mark.parametrize("fsdp", ["1", "2"])
+def test_demo_runs_two_ranks_and_prints_module_table(fsdp: str) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "-m", "fsdp_mem_otel.cli", "demo", "--steps", "4", "--deep-every", "2", "--blocks", "3",
+         "--fsdp", fsdp],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "step 4/4" in text and "tracker errors: 0" in text
+    assert f"FSDP{fsdp}, rank 0 of 2" in text
+    table = text[text.rindex("module  "):]
+    for key in _expected_module_keys(3):
+        assert f"\n{key} " in table, key
+
+
+def test_demo_rejects_bad_options_before_launching() -> None:
+    out = subprocess.run([sys.executable, "-m", "fsdp_mem_otel.cli", "demo", "--steps", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "--steps: expected a positive integer, got 0" in out.stderr
