@@ -1,0 +1,339 @@
+"""Every metric this project exports: name, type, unit, help and labels. Standard library only.
+
+The Prometheus exporter, the sidecar server, the dashboards and the alert rules all read this
+file, so a rename happens here and nowhere else.
+
+Conventions: one prefix (``fsdp_mem_``), base units as name suffixes (``_bytes``, ``_seconds``,
+``_ratio``), counters end in ``_total``. Every series of a rank also carries the identity labels
+of ``Identity.labels()`` (``job_name``, ``rank``, ``local_rank``, ``world_size``, plus ``pod`` and
+``namespace`` when known); ``job`` is avoided because Prometheus sets it to the scrape job.
+
+Cardinality: by default at most ``MAX_SERIES_PER_MODULE`` series per FSDP module and at most
+``MAX_OTHER_SERIES`` other series per rank. ``detail=True`` adds module x state x device x
+category bytes (``SCOPE_DETAIL``), which is opt-in because it grows as modules x 144 x devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "fsdp_mem_"
+
+GAUGE = "gauge"
+COUNTER = "counter"
+TYPES: tuple[str, ...] = (GAUGE, COUNTER)
+
+BYTES = "bytes"
+SECONDS = "seconds"
+RATIO = "ratio"
+UNITS: tuple[str, ...] = (BYTES, SECONDS, RATIO, "")
+
+#: one series set per rank, bounded independently of the model
+SCOPE_RANK = "rank"
+#: one series per FSDP module (at most MAX_SERIES_PER_MODULE in all)
+SCOPE_MODULE = "module"
+#: opt-in (detail=True): module x state x device x category
+SCOPE_DETAIL = "detail"
+#: served by ``fsdp-mem-otel serve`` about the rank files it reads
+SCOPE_SIDECAR = "sidecar"
+SCOPES: tuple[str, ...] = (SCOPE_RANK, SCOPE_MODULE, SCOPE_DETAIL, SCOPE_SIDECAR)
+
+#: labels from Identity.labels() on every series of a rank (pod/namespace only when known)
+IDENTITY_LABELS: tuple[str, ...] = ("job_name", "rank", "local_rank", "world_size")
+OPTIONAL_IDENTITY_LABELS: tuple[str, ...] = ("pod", "namespace")
+
+MAX_SERIES_PER_MODULE = 3
+MAX_OTHER_SERIES = 100
+
+#: values of the ``phase`` label of module peaks
+PHASES: tuple[str, ...] = ("forward", "backward")
+#: values of the ``component`` label of errors_total
+COMPONENT_TRACKER = "tracker"
+COMPONENT_EXPORTER = "exporter"
+COMPONENTS: tuple[str, ...] = (COMPONENT_TRACKER, COMPONENT_EXPORTER)
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric family.
+
+    ``labels`` are the metric's own labels, besides the identity labels. ``source`` names the
+    StepReport field the value comes from (for allocator metrics: the key in
+    ``StepReport.allocator[device]``).
+    """
+
+    name: str
+    type: str
+    unit: str
+    help: str
+    labels: tuple[str, ...] = ()
+    scope: str = SCOPE_RANK
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name.startswith(PREFIX):
+            raise ValueError(f"metric name must start with {PREFIX!r}; got {self.name!r}")
+        if self.type not in TYPES:
+            raise ValueError(f"{self.name}: type must be one of {TYPES}; got {self.type!r}")
+        if self.unit not in UNITS:
+            raise ValueError(f"{self.name}: unit must be one of {UNITS}; got {self.unit!r}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"{self.name}: scope must be one of {SCOPES}; got {self.scope!r}")
+        base = self.name[: -len("_total")] if self.type == COUNTER else self.name
+        if self.type == COUNTER and not self.name.endswith("_total"):
+            raise ValueError(f"{self.name}: counter names end in _total")
+        if self.type == GAUGE and self.name.endswith("_total"):
+            raise ValueError(f"{self.name}: only counters end in _total")
+        if self.unit and not base.endswith("_" + self.unit):
+            raise ValueError(f"{self.name}: unit {self.unit!r} must be the name's suffix")
+        if not self.help.endswith("."):
+            raise ValueError(f"{self.name}: help text is a sentence ending in '.'")
+
+    @property
+    def all_labels(self) -> tuple[str, ...]:
+        """Identity labels (always present ones) followed by the metric's own labels."""
+        if self.scope == SCOPE_SIDECAR:
+            return self.labels
+        return IDENTITY_LABELS + self.labels
+
+
+# -- step memory (ledger) --------------------------------------------------------------------
+STEP_PEAK_BYTES = Metric(
+    "fsdp_mem_step_peak_bytes", GAUGE, BYTES,
+    "Bytes per category at the moment of the last step's peak total on the device (category total = the peak).",
+    ("device", "category"), source="peak",
+)
+CURRENT_BYTES = Metric(
+    "fsdp_mem_current_bytes", GAUGE, BYTES,
+    "Bytes per category live on the device at the end of the last step.",
+    ("device", "category"), source="current",
+)
+
+# -- allocator (StepReport.allocator: device -> stat -> value) ---------------------------------
+ALLOCATED_BYTES = Metric(
+    "fsdp_mem_allocator_allocated_bytes", GAUGE, BYTES,
+    "Bytes the device allocator has handed out to tensors, at the end of the last step.",
+    ("device",), source="allocated_bytes",
+)
+ALLOCATED_PEAK_BYTES = Metric(
+    "fsdp_mem_allocator_allocated_peak_bytes", GAUGE, BYTES,
+    "Peak of allocated bytes as the allocator reports it (since process start or its last peak reset).",
+    ("device",), source="allocated_peak_bytes",
+)
+RESERVED_BYTES = Metric(
+    "fsdp_mem_allocator_reserved_bytes", GAUGE, BYTES,
+    "Bytes the caching allocator holds from the device (allocated plus cached), at the end of the last step.",
+    ("device",), source="reserved_bytes",
+)
+RESERVED_PEAK_BYTES = Metric(
+    "fsdp_mem_allocator_reserved_peak_bytes", GAUGE, BYTES,
+    "Peak of reserved bytes as the allocator reports it (since process start or its last peak reset).",
+    ("device",), source="reserved_peak_bytes",
+)
+ACTIVE_BYTES = Metric(
+    "fsdp_mem_allocator_active_bytes", GAUGE, BYTES,
+    "Bytes in active allocator blocks (allocated or awaiting stream sync), at the end of the last step.",
+    ("device",), source="active_bytes",
+)
+ACTIVE_PEAK_BYTES = Metric(
+    "fsdp_mem_allocator_active_peak_bytes", GAUGE, BYTES,
+    "Peak of active bytes as the allocator reports it (since process start or its last peak reset).",
+    ("device",), source="active_peak_bytes",
+)
+INACTIVE_SPLIT_BYTES = Metric(
+    "fsdp_mem_allocator_inactive_split_bytes", GAUGE, BYTES,
+    "Bytes in inactive, non-releasable split blocks (fragmentation), at the end of the last step.",
+    ("device",), source="inactive_split_bytes",
+)
+DEVICE_TOTAL_BYTES = Metric(
+    "fsdp_mem_device_total_bytes", GAUGE, BYTES,
+    "Total memory of the device.",
+    ("device",), source="device_total_bytes",
+)
+ALLOC_RETRIES_TOTAL = Metric(
+    "fsdp_mem_allocator_alloc_retries_total", COUNTER, "",
+    "Allocations that failed, freed the allocator cache and were retried (cudaMalloc retries).",
+    ("device",), source="num_alloc_retries",
+)
+OOMS_TOTAL = Metric(
+    "fsdp_mem_allocator_ooms_total", COUNTER, "",
+    "Out-of-memory errors raised by the device allocator.",
+    ("device",), source="num_ooms",
+)
+FRAGMENTATION_RATIO = Metric(
+    "fsdp_mem_allocator_fragmentation_ratio", GAUGE, RATIO,
+    "Share of reserved bytes not allocated to tensors (1 - allocated / reserved), at the end of the last step.",
+    ("device",), source="fragmentation_ratio",
+)
+UNTRACKED_BYTES = Metric(
+    "fsdp_mem_untracked_bytes", GAUGE, BYTES,
+    "Bytes allocated on the device that the tracker did not attribute to any category.",
+    ("device",), source="untracked_bytes",
+)
+RESIDENT_BYTES = Metric(
+    "fsdp_mem_process_resident_bytes", GAUGE, BYTES,
+    "Resident set size of the training process (host memory).",
+    ("device",), source="resident_bytes",
+)
+
+#: allocator statistic key -> metric
+ALLOCATOR_METRICS: dict[str, Metric] = {
+    m.source: m
+    for m in (
+        ALLOCATED_BYTES,
+        ALLOCATED_PEAK_BYTES,
+        RESERVED_BYTES,
+        RESERVED_PEAK_BYTES,
+        ACTIVE_BYTES,
+        ACTIVE_PEAK_BYTES,
+        INACTIVE_SPLIT_BYTES,
+        DEVICE_TOTAL_BYTES,
+        ALLOC_RETRIES_TOTAL,
+        OOMS_TOTAL,
+        FRAGMENTATION_RATIO,
+        UNTRACKED_BYTES,
+        RESIDENT_BYTES,
+    )
+}
+
+# -- tracker health ----------------------------------------------------------------------------
+STEPS_TOTAL = Metric(
+    "fsdp_mem_steps_total", COUNTER, "",
+    "Training steps the tracker has closed.",
+    source="step",
+)
+ERRORS_TOTAL = Metric(
+    "fsdp_mem_errors_total", COUNTER, "",
+    "Internal failures, by component (tracker; exporter: this exporter's I/O and server failures); never raised.",
+    ("component",), source="errors_total",
+)
+OVERHEAD_SECONDS = Metric(
+    "fsdp_mem_step_overhead_seconds", GAUGE, SECONDS,
+    "Time spent in the tracker's hooks during the last step.",
+    source="tracker_overhead_seconds",
+)
+OVERHEAD_SECONDS_TOTAL = Metric(
+    "fsdp_mem_tracker_overhead_seconds_total", COUNTER, SECONDS,
+    "Time spent in the tracker's hooks over all exported steps.",
+    source="tracker_overhead_seconds",
+)
+LAST_STEP_TIMESTAMP_SECONDS = Metric(
+    "fsdp_mem_last_step_timestamp_seconds", GAUGE, SECONDS,
+    "Unix time at which the last step closed.",
+    source="timestamp",
+)
+STEP_DURATION_SECONDS = Metric(
+    "fsdp_mem_step_duration_seconds", GAUGE, SECONDS,
+    "Wall-clock duration of the last step (between two tracker.step() calls).",
+    source="duration_seconds",
+)
+STEP_DEEP = Metric(
+    "fsdp_mem_step_deep", GAUGE, "",
+    "1 when the last step ran in deep mode (every op accounted), 0 in light mode.",
+    source="mode",
+)
+TRACKER_INFO = Metric(
+    "fsdp_mem_tracker_info", GAUGE, "",
+    "Always 1; labels say the FSDP generation and the fsdp_mem_otel version.",
+    ("fsdp_version", "version"), source="fsdp_version",
+)
+
+# -- per FSDP module (default, bounded per module) ----------------------------------------------
+MODULE_PEAK_BYTES = Metric(
+    "fsdp_mem_module_peak_bytes", GAUGE, BYTES,
+    "Peak total bytes during the module's forward or backward in the last step (max over calls and devices).",
+    ("module", "phase"), scope=SCOPE_MODULE, source="modules",
+)
+MODULE_FORWARD_SECONDS = Metric(
+    "fsdp_mem_module_forward_seconds", GAUGE, SECONDS,
+    "Wall-clock time of the module's forward in the last step, summed over calls (light mode: hooks only).",
+    ("module",), scope=SCOPE_MODULE, source="modules",
+)
+
+# -- opt-in full detail ------------------------------------------------------------------------
+MODULE_STATE_BYTES = Metric(
+    "fsdp_mem_module_state_bytes", GAUGE, BYTES,
+    "Bytes per category on the device at the module's state in the last step (max over calls); detail=True only.",
+    ("module", "state", "device", "category"), scope=SCOPE_DETAIL, source="modules",
+)
+
+# -- sidecar (fsdp-mem-otel serve) -------------------------------------------------------------
+SIDECAR_RANK_LAST_UPDATE = Metric(
+    "fsdp_mem_sidecar_rank_last_update_timestamp_seconds", GAUGE, SECONDS,
+    "Unix time at which the rank last rewrote its metrics file (its modification time).",
+    ("rank",), scope=SCOPE_SIDECAR,
+)
+SIDECAR_RANK_STALE = Metric(
+    "fsdp_mem_sidecar_rank_stale", GAUGE, "",
+    "1 when the rank's metrics file is older than the sidecar's --stale-seconds (rank dead or stuck), else 0.",
+    ("rank",), scope=SCOPE_SIDECAR,
+)
+SIDECAR_READ_ERRORS_TOTAL = Metric(
+    "fsdp_mem_sidecar_read_errors_total", COUNTER, "",
+    "Rank metrics files the sidecar could not read or parse (the rank's samples are left out).",
+    ("rank",), scope=SCOPE_SIDECAR,
+)
+
+#: every metric, in exposition order
+METRICS: tuple[Metric, ...] = (
+    STEP_PEAK_BYTES,
+    CURRENT_BYTES,
+    *ALLOCATOR_METRICS.values(),
+    STEPS_TOTAL,
+    ERRORS_TOTAL,
+    OVERHEAD_SECONDS,
+    OVERHEAD_SECONDS_TOTAL,
+    LAST_STEP_TIMESTAMP_SECONDS,
+    STEP_DURATION_SECONDS,
+    STEP_DEEP,
+    TRACKER_INFO,
+    MODULE_PEAK_BYTES,
+    MODULE_FORWARD_SECONDS,
+    MODULE_STATE_BYTES,
+    SIDECAR_RANK_LAST_UPDATE,
+    SIDECAR_RANK_STALE,
+    SIDECAR_READ_ERRORS_TOTAL,
+)
+
+_BY_NAME: dict[str, Metric] = {m.name: m for m in METRICS}
+if len(_BY_NAME) != len(METRICS):
+    raise RuntimeError("duplicate metric name in catalog")
+# OpenMetrics names a counter family without "_total": it must not clash with another name.
+_FAMILIES = [m.name[: -len("_total")] if m.type == COUNTER else m.name for m in METRICS]
+if len(set(_FAMILIES)) != len(_FAMILIES):
+    raise RuntimeError("a counter's family name (without _total) clashes with another metric")
+
+
+def metric(name: str) -> Metric:
+    """The metric called ``name`` (KeyError naming the known ones otherwise)."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"unknown metric {name!r}; known: {', '.join(_BY_NAME)}") from None
+
+
+def all_names(scope: str | None = None) -> tuple[str, ...]:
+    """Every metric name, in catalog order; only those of ``scope`` when given."""
+    return tuple(m.name for m in by_scope(scope))
+
+
+def by_scope(scope: str | None = None) -> tuple[Metric, ...]:
+    """Metrics of one scope (``SCOPE_RANK``, ``SCOPE_MODULE``, ...); all when ``scope`` is None."""
+    if scope is not None and scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES} or None; got {scope!r}")
+    return tuple(m for m in METRICS if scope is None or m.scope == scope)
+
+
+def exported_names(detail: bool = False) -> tuple[str, ...]:
+    """Names a rank's exporter can emit (with ``detail`` when the detail metric is on)."""
+    scopes = (SCOPE_RANK, SCOPE_MODULE, SCOPE_DETAIL) if detail else (SCOPE_RANK, SCOPE_MODULE)
+    return tuple(m.name for m in METRICS if m.scope in scopes)
+
+
+def selector(m: Metric | str, **matchers: str) -> str:
+    """A PromQL selector, e.g. ``selector(STEP_PEAK_BYTES, category="total")``."""
+    name = m.name if isinstance(m, Metric) else metric(m).name
+    if not matchers:
+        return name
+    inner = ",".join(f'{k}="{v}"' for k, v in sorted(matchers.items()))
+    return f"{name}{{{inner}}}"

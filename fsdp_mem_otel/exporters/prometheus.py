@@ -1,0 +1,439 @@
+"""Prometheus exporter: a custom collector over the latest StepReport, served per rank and/or
+written to a sidecar directory. Does not import torch.
+
+Collection is apart from encoding, as in prometheus_client: ``StepReportCollector.collect()``
+builds metric families from the last report at scrape time (every name, type, help and label
+comes from ``fsdp_mem_otel.catalog``), and ``generate_latest`` encodes them. ``export()`` only
+swaps a reference and wakes the sidecar writer thread, so a training step never waits for a
+scrape or a file write.
+
+Two ways out, usable together:
+
+- HTTP: ``/metrics`` on ``base_port + local_rank`` (or ``port``), optionally TLS or mutual TLS.
+- Sidecar: the exposition of every step written atomically (temp file in the same directory,
+  then ``os.replace``) to ``<sidecar_dir>/rank-<rank>.prom``; ``fsdp-mem-otel serve`` merges a
+  directory of those into one endpoint and flags ranks whose file stopped changing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from fsdp_mem_otel import __version__
+from fsdp_mem_otel import catalog as cat
+from fsdp_mem_otel.identity import Identity
+from fsdp_mem_otel.model import (
+    AFTER_POST_FORWARD,
+    BEFORE_PRE_FORWARD,
+    CATEGORY_KEYS,
+    DEEP,
+    PEAK_BACKWARD,
+    PEAK_FORWARD,
+    STATES,
+    StepReport,
+)
+
+logger = logging.getLogger("fsdp_mem_otel")
+
+DEFAULT_BASE_PORT = 9400
+#: rank files in a sidecar directory; anything else there (temp files included) is ignored
+RANK_FILE_RE = re.compile(r"^rank-(\d+)\.prom$")
+_FILE_MODE = 0o644
+_DIR_MODE = 0o700
+
+
+def rank_file_name(rank: int) -> str:
+    """Name of a rank's file in a sidecar directory."""
+    return f"rank-{int(rank)}.prom"
+
+
+def _family(m: cat.Metric, labels: tuple[str, ...]) -> Metric:
+    cls = CounterMetricFamily if m.type == cat.COUNTER else GaugeMetricFamily
+    return cls(m.name, m.help, labels=list(labels))
+
+
+class StepReportCollector:
+    """prometheus_client collector: the last StepReport as metric families, built at scrape time.
+
+    Register it in a ``CollectorRegistry``; call ``update(report)`` once per step (cheap: one
+    reference swap and one addition under a lock).
+    """
+
+    def __init__(self, identity: Identity, *, detail: bool = False) -> None:
+        if not isinstance(identity, Identity):
+            raise TypeError(f"identity must be an fsdp_mem_otel.identity.Identity; got {type(identity).__name__}")
+        self.identity = identity
+        self.detail = bool(detail)
+        self._id_names = tuple(identity.labels())
+        self._id_values = tuple(identity.labels().values())
+        self._lock = threading.Lock()
+        self._report: StepReport | None = None
+        self._overhead_total = 0.0
+        self._exporter_errors = 0
+
+    # -- state -------------------------------------------------------------------------------
+    def update(self, report: StepReport) -> None:
+        with self._lock:
+            self._report = report
+            self._overhead_total += float(report.tracker_overhead_seconds)
+
+    def count_error(self) -> int:
+        """Count one exporter failure; returns the new count."""
+        with self._lock:
+            self._exporter_errors += 1
+            return self._exporter_errors
+
+    @property
+    def exporter_errors(self) -> int:
+        return self._exporter_errors
+
+    @property
+    def report(self) -> StepReport | None:
+        return self._report
+
+    # -- prometheus_client Collector protocol -------------------------------------------------
+    def describe(self) -> list[Metric]:
+        """Families this collector may yield (lets a registry detect duplicate names)."""
+        return [
+            _family(m, self._id_names + m.labels)
+            for m in cat.METRICS
+            if m.scope in (cat.SCOPE_RANK, cat.SCOPE_MODULE) or (self.detail and m.scope == cat.SCOPE_DETAIL)
+        ]
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            report, overhead_total, exporter_errors = self._report, self._overhead_total, self._exporter_errors
+        families: list[Metric] = []
+        try:
+            families = self._families(report, overhead_total, exporter_errors)
+        except Exception as exc:  # noqa: BLE001 - a malformed report must not break the scrape
+            errors = self.count_error()
+            if errors == 1 or errors & (errors - 1) == 0:  # 1, 2, 4, 8, ...: no log flood per scrape
+                logger.error("fsdp_mem_otel: could not build Prometheus metrics (error %d): %r", errors, exc)
+            families = self._families(None, overhead_total, errors)
+        yield from families
+
+    # -- building ----------------------------------------------------------------------------
+    def _families(self, report: StepReport | None, overhead_total: float, exporter_errors: int) -> list[Metric]:
+        ids, idv = self._id_names, self._id_values
+        out: list[Metric] = []
+
+        def add(m: cat.Metric, rows: list[tuple[tuple[str, ...], float]]) -> None:
+            fam = _family(m, ids + m.labels)
+            for values, value in rows:
+                fam.add_metric(list(idv + values), value)
+            out.append(fam)
+
+        if report is not None:
+            for m, breakdown in ((cat.STEP_PEAK_BYTES, report.peak), (cat.CURRENT_BYTES, report.current)):
+                add(m, [
+                    ((dev, c), float(cats.get(c, 0))) for dev, cats in sorted(breakdown.items()) for c in CATEGORY_KEYS
+                ])
+            for key, m in cat.ALLOCATOR_METRICS.items():
+                rows = [((dev, ), float(stats[key])) for dev, stats in sorted(report.allocator.items()) if key in stats]
+                if rows:
+                    add(m, rows)
+            add(cat.STEPS_TOTAL, [((), float(report.step))])
+        else:
+            add(cat.STEPS_TOTAL, [((), 0.0)])
+        tracker_errors = float(report.errors_total) if report is not None else 0.0
+        add(cat.ERRORS_TOTAL, [
+            ((cat.COMPONENT_TRACKER,), tracker_errors),
+            ((cat.COMPONENT_EXPORTER,), float(exporter_errors)),
+        ])
+        if report is not None:
+            add(cat.OVERHEAD_SECONDS, [((), float(report.tracker_overhead_seconds))])
+        add(cat.OVERHEAD_SECONDS_TOTAL, [((), overhead_total)])
+        if report is not None:
+            add(cat.LAST_STEP_TIMESTAMP_SECONDS, [((), float(report.timestamp))])
+            add(cat.STEP_DURATION_SECONDS, [((), float(report.duration_seconds))])
+            add(cat.STEP_DEEP, [((), 1.0 if report.mode == DEEP else 0.0)])
+        fsdp_version = str(report.fsdp_version) if report is not None else ""
+        add(cat.TRACKER_INFO, [((fsdp_version, __version__), 1.0)])
+        if report is not None:
+            out.extend(self._module_families(report))
+        return out
+
+    def _module_families(self, report: StepReport) -> list[Metric]:
+        ids, idv = self._id_names, self._id_values
+        order = [k for k in report.module_order if k in report.modules]
+        order += sorted(k for k in report.modules if k not in set(order))
+        peak = _family(cat.MODULE_PEAK_BYTES, ids + cat.MODULE_PEAK_BYTES.labels)
+        fwd = _family(cat.MODULE_FORWARD_SECONDS, ids + cat.MODULE_FORWARD_SECONDS.labels)
+        detail = _family(cat.MODULE_STATE_BYTES, ids + cat.MODULE_STATE_BYTES.labels) if self.detail else None
+        for key in order:
+            mod = report.modules[key]
+            for phase, state in (("forward", PEAK_FORWARD), ("backward", PEAK_BACKWARD)):
+                if mod.snapshots.get(state):
+                    peak.add_metric([*idv, key, phase], float(mod.peak_total(state)))
+            starts = mod.times.get(BEFORE_PRE_FORWARD, [])
+            ends = mod.times.get(AFTER_POST_FORWARD, [])
+            if starts and ends:
+                seconds = sum(max(0, e - s) for s, e in zip(starts, ends, strict=False)) / 1e9
+                fwd.add_metric([*idv, key], seconds)
+            if detail is not None:
+                for state in STATES:
+                    calls = mod.snapshots.get(state)
+                    if not calls:
+                        continue
+                    merged: dict[str, dict[str, int]] = {}
+                    for breakdown in calls:
+                        for dev, cats in breakdown.items():
+                            into = merged.setdefault(dev, {})
+                            for c, v in cats.items():
+                                if v > into.get(c, -1):
+                                    into[c] = v
+                    for dev in sorted(merged):
+                        for c in CATEGORY_KEYS:
+                            detail.add_metric([*idv, key, state, dev, c], float(merged[dev].get(c, 0)))
+        return [peak, fwd] + ([detail] if detail is not None else [])
+
+
+class PrometheusExporter:
+    """StepReports to Prometheus: ``/metrics`` per rank and/or one file per rank for a sidecar.
+
+    Args:
+        identity: labels for every series (default: ``Identity.from_env()``: torchrun and
+            Kubernetes variables).
+        port: port to serve on; default ``base_port + local_rank``. 0 picks a free port
+            (read it back from ``.port``).
+        base_port: first port when ``port`` is None, so that ranks sharing a node do not clash.
+        addr: address to listen on. Default "0.0.0.0", so that Prometheus can scrape the pod IP;
+            use "127.0.0.1" to keep the endpoint local (e.g. behind the sidecar).
+        certfile, keyfile: serve HTTPS with this certificate and key (PEM).
+        client_cafile: with certfile/keyfile, require client certificates signed by this CA
+            (mutual TLS).
+        detail: also export module x state x device x category bytes (many series; opt-in).
+        sidecar_dir: also write the exposition of every step to ``<sidecar_dir>/rank-<rank>.prom``
+            (atomically; the directory is created with mode 0700 if missing).
+        registry: register the collector here (default: a private ``CollectorRegistry``) and
+            serve that registry.
+        http: serve ``/metrics`` over HTTP (default True); False for sidecar-only export.
+
+    Never raises into training for I/O: a port already taken, an unwritable directory or a
+    failed write is logged once, counted in ``fsdp_mem_errors_total{component="exporter"}`` and
+    retried on the next step (writes) or given up (the endpoint).
+    """
+
+    def __init__(
+        self,
+        identity: Identity | None = None,
+        *,
+        port: int | None = None,
+        base_port: int = DEFAULT_BASE_PORT,
+        addr: str = "0.0.0.0",
+        certfile: str | None = None,
+        keyfile: str | None = None,
+        client_cafile: str | None = None,
+        detail: bool = False,
+        sidecar_dir: str | os.PathLike[str] | None = None,
+        registry: CollectorRegistry | None = None,
+        http: bool = True,
+    ) -> None:
+        if identity is None:
+            identity = Identity.from_env()
+        if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535):
+            raise ValueError(f"port must be an integer in 0..65535 or None; got {port!r}")
+        if not isinstance(base_port, int) or isinstance(base_port, bool) or not 1 <= base_port <= 65535:
+            raise ValueError(f"base_port must be an integer in 1..65535; got {base_port!r}")
+        if not isinstance(addr, str) or not addr:
+            raise ValueError(f"addr must be a non-empty host address string; got {addr!r}")
+        if (certfile is None) != (keyfile is None):
+            raise ValueError("certfile and keyfile go together: pass both for TLS, or neither")
+        if client_cafile is not None and certfile is None:
+            raise ValueError("client_cafile (mutual TLS) needs certfile and keyfile")
+        if registry is not None and not isinstance(registry, CollectorRegistry):
+            raise TypeError(f"registry must be a prometheus_client CollectorRegistry; got {type(registry).__name__}")
+        self.identity = identity
+        self.collector = StepReportCollector(identity, detail=detail)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.registry.register(self.collector)
+        self.addr = addr
+        self.port: int | None = None
+        self.sidecar_path: str | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._server: Any = None
+        self._server_thread: threading.Thread | None = None
+        self._writer: _SidecarWriter | None = None
+        self._logged: set[str] = set()
+
+        if http:
+            want = port if port is not None else base_port + identity.local_rank
+            self._start_http(want, certfile, keyfile, client_cafile)
+        if sidecar_dir is not None:
+            directory = os.fspath(sidecar_dir)
+            self.sidecar_path = os.path.join(directory, rank_file_name(identity.rank))
+            self._writer = _SidecarWriter(directory, self.sidecar_path, self._render, self.collector.count_error)
+
+    @property
+    def errors_total(self) -> int:
+        """This exporter's own failures (also exported as errors_total{component="exporter"})."""
+        return self.collector.exporter_errors
+
+    # -- Exporter protocol ------------------------------------------------------------------
+    def export(self, report: StepReport) -> None:
+        """Keep ``report`` for the next scrape and wake the sidecar writer. Never raises."""
+        try:
+            self.collector.update(report)
+            if self._writer is not None and not self._closed:
+                self._writer.request()
+        except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
+            self._io_error("export", exc)
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until the sidecar file holds the last exported report; False on timeout or error."""
+        return self._writer.flush(timeout) if self._writer is not None else True
+
+    def shutdown(self) -> None:
+        """Write the last report to the sidecar file and stop the HTTP server. Safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._writer is not None:
+            self._writer.close(timeout=5.0)
+        server, self._server = self._server, None
+        if server is not None:
+            try:
+                server.shutdown()
+                server.server_close()
+            except Exception as exc:  # noqa: BLE001
+                self._io_error("http-stop", exc)
+            if self._server_thread is not None:
+                self._server_thread.join(timeout=5.0)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _render(self) -> bytes:
+        # Only this collector's families: a shared registry's process metrics would clash
+        # between ranks once the sidecar merges their files.
+        return generate_latest(self.collector)
+
+    def _start_http(self, port: int, certfile: str | None, keyfile: str | None, client_cafile: str | None) -> None:
+        from prometheus_client import start_http_server
+
+        try:
+            server, thread = start_http_server(
+                port,
+                addr=self.addr,
+                registry=self.registry,
+                certfile=certfile,
+                keyfile=keyfile,
+                client_cafile=client_cafile,
+                client_auth_required=client_cafile is not None,
+            )
+        except Exception as exc:  # noqa: BLE001 - e.g. port taken: training goes on without the endpoint
+            self.collector.count_error()
+            logger.error(
+                "fsdp_mem_otel: cannot serve Prometheus metrics on %s:%d (training continues without "
+                "this endpoint): %r", self.addr, port, exc,
+            )
+            return
+        self._server, self._server_thread = server, thread
+        self.port = int(server.server_address[1])
+        logger.info("fsdp_mem_otel: serving Prometheus metrics on %s:%d/metrics", self.addr, self.port)
+
+    def _io_error(self, where: str, exc: BaseException) -> None:
+        self.collector.count_error()
+        if where not in self._logged:  # once per kind of failure
+            self._logged.add(where)
+            logger.error("fsdp_mem_otel: Prometheus exporter %s failed (training continues): %r", where, exc)
+
+
+class _SidecarWriter:
+    """Background thread writing the latest exposition to one file, atomically.
+
+    Requests coalesce: when steps come faster than writes, only the latest report is written.
+    A failed write is counted each time, logged once per outage, and retried on the next step.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        path: str,
+        render: Callable[[], bytes],
+        on_error: Callable[[], object],
+    ) -> None:
+        self.directory = directory
+        self.path = path
+        self._render = render
+        self._on_error = on_error
+        self._cond = threading.Condition()
+        self._requested = 0
+        self._done = 0  # last request handled (written or failed)
+        self._ok = True
+        self._closing = False
+        self._failing = False
+        self._thread = threading.Thread(target=self._run, name="fsdp-mem-otel-sidecar", daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        with self._cond:
+            self._requested += 1
+            self._cond.notify_all()
+
+    def flush(self, timeout: float) -> bool:
+        with self._cond:
+            target = self._requested
+            self._cond.wait_for(lambda: self._done >= target or not self._thread.is_alive(), timeout)
+            return self._done >= target and self._ok
+
+    def close(self, timeout: float) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._requested > self._done or self._closing)
+                if self._requested == self._done and self._closing:
+                    return
+                target = self._requested
+            ok = self._write_once()
+            with self._cond:
+                self._done, self._ok = target, ok
+                self._cond.notify_all()
+
+    def _write_once(self) -> bool:
+        tmp = None
+        try:
+            data = self._render()
+            if not os.path.isdir(self.directory):
+                os.makedirs(self.directory, mode=_DIR_MODE, exist_ok=True)
+                os.chmod(self.directory, _DIR_MODE)  # makedirs' mode is filtered by the umask
+            fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(self.path) + ".", suffix=".tmp",
+                                       dir=self.directory)
+            with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), _FILE_MODE)  # readable by a sidecar sharing the group
+                f.write(data)
+            os.replace(tmp, self.path)
+            tmp = None
+        except Exception as exc:  # noqa: BLE001 - counted, logged once per outage, retried next step
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+            self._on_error()
+            if not self._failing:
+                self._failing = True
+                logger.error(
+                    "fsdp_mem_otel: cannot write %s (training continues; retrying every step, logged once "
+                    "until it recovers): %r", self.path, exc,
+                )
+            return False
+        if self._failing:
+            self._failing = False
+            logger.warning("fsdp_mem_otel: writing %s works again", self.path)
+        return True

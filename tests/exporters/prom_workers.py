@@ -1,0 +1,199 @@
+"""Helpers for the Prometheus exporter tests: TLS material, HTTP scrapes, and the code that runs
+on each of the 2 real ranks (spawned by tests/dist.py; torch is imported inside the worker)."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import socket
+import ssl
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+BLOCKS, WIDTH, BATCH, STEPS = 3, 32, 8, 3
+#: the sidecar's --stale-seconds in the real run; rank 0 keeps writing for 2x this after rank 1 stops
+STALE_SECONDS = 1.5
+
+
+def free_ports(n: int) -> int:
+    """A port p such that p .. p+n-1 are all free on 127.0.0.1 right now."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                t = socket.socket()
+                socks.append(t)
+                t.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def make_tls(directory: Path) -> dict[str, str]:
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate, as PEM files."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = now - datetime.timedelta(hours=1), now + datetime.timedelta(days=1)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        x509.CertificateBuilder().subject_name(name("fsdp-mem-otel test CA")).issuer_name(name("fsdp-mem-otel test CA"))
+        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(start).not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                                     key_encipherment=False, data_encipherment=False, key_agreement=False,
+                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+
+    def leaf(cn: str, usage: x509.ObjectIdentifier, san: list[x509.GeneralName]) -> tuple[Any, Any]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        b = (
+            x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca.subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        )
+        if san:
+            b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        return b.sign(ca_key, hashes.SHA256()), key
+
+    server, server_key = leaf("127.0.0.1", ExtendedKeyUsageOID.SERVER_AUTH,
+                              [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    client, client_key = leaf("prometheus", ExtendedKeyUsageOID.CLIENT_AUTH, [])
+
+    def pem_key(k: Any) -> bytes:
+        return bytes(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                     serialization.NoEncryption()))
+
+    files = {
+        "ca": ca.public_bytes(serialization.Encoding.PEM),
+        "cert": server.public_bytes(serialization.Encoding.PEM),
+        "key": pem_key(server_key),
+        "client_cert": client.public_bytes(serialization.Encoding.PEM),
+        "client_key": pem_key(client_key),
+    }
+    out = {}
+    for k, data in files.items():
+        path = directory / f"{k}.pem"
+        path.write_bytes(data)
+        path.chmod(0o600)
+        out[k] = str(path)
+    return out
+
+
+def client_context(tls: dict[str, str], with_cert: bool = True) -> ssl.SSLContext:
+    """What Prometheus does with tls_config: trust the test CA, present the client certificate."""
+    ctx = ssl.create_default_context(cafile=tls["ca"])
+    if with_cert:
+        ctx.load_cert_chain(tls["client_cert"], tls["client_key"])
+    return ctx
+
+
+def get(url: str, context: ssl.SSLContext | None = None, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url, context=context, timeout=timeout) as resp:
+        assert resp.status == 200, resp.status
+        return resp.read().decode("utf-8")
+
+
+def try_get(url: str, context: ssl.SSLContext | None = None) -> str:
+    """'ok' when the scrape succeeds, else the exception's type name."""
+    try:
+        get(url, context, timeout=5.0)
+        return "ok"
+    except OSError as exc:
+        return type(exc).__name__
+
+
+def train_scrape_and_serve(base_port: int, tls_base_port: int, sidecar_dir: str, sidecar_port: int,
+                           tls: dict[str, str]) -> dict[str, Any]:
+    """Rank side of the real test.
+
+    FSDP2 training under a tracker with two Prometheus exporters: plain HTTP plus a sidecar file,
+    and mutual TLS. After a barrier each rank scrapes both ranks' endpoints. Then rank 0 runs the
+    sidecar server over the shared directory and scrapes it with both ranks alive; rank 1 then
+    stops (its tracker closes), rank 0 keeps writing, and rank 0 scrapes again after the stale
+    window.
+    """
+    import torch.distributed as dist
+
+    from fsdp_mem_otel import serve
+    from fsdp_mem_otel.demo import WrapOptions, build, make_batch, train_step
+    from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
+    from fsdp_mem_otel.tracker import FSDPMemoryTracker
+
+    rank = dist.get_rank()
+    model, opt = build(BLOCKS, WIDTH, WrapOptions(fsdp=2))
+    plain = PrometheusExporter(base_port=base_port, addr="127.0.0.1", sidecar_dir=sidecar_dir)
+    secure = PrometheusExporter(base_port=tls_base_port, addr="127.0.0.1", certfile=tls["cert"], keyfile=tls["key"],
+                                client_cafile=tls["ca"])
+    tracker = FSDPMemoryTracker(model, opt, exporters=[plain, secure])
+    reports = []
+    with tracker:
+        for step in range(STEPS):
+            train_step(model, opt, make_batch(step, BATCH, WIDTH, rank), on_inputs=tracker.track_inputs)
+            reports.append(tracker.step())
+    out: dict[str, Any] = {
+        "reports": [r.to_dict() for r in reports],
+        "ports": (plain.port, secure.port),
+        "flushed": plain.flush(),
+    }
+    dist.barrier()  # both ranks have exported every step
+    ports = range(base_port, base_port + 2)
+    tls_ports = range(tls_base_port, tls_base_port + 2)
+    out["scrapes"] = [get(f"http://127.0.0.1:{p}/metrics") for p in ports]
+    out["tls_scrapes"] = [get(f"https://127.0.0.1:{p}/metrics", client_context(tls)) for p in tls_ports]
+    out["tls_without_client_cert"] = try_get(f"https://127.0.0.1:{tls_ports[0]}/metrics",
+                                             client_context(tls, with_cert=False))
+    out["plain_http_to_tls_port"] = try_get(f"http://127.0.0.1:{tls_ports[0]}/metrics")
+    dist.barrier()  # scrapes done
+
+    # Sidecar: rewrite both files now, so both start fresh.
+    plain.export(reports[-1])
+    out["flushed_again"] = plain.flush()
+    dist.barrier()
+    server = None
+    if rank == 0:
+        server = serve.make_server(sidecar_dir, sidecar_port, "127.0.0.1", stale_seconds=STALE_SECONDS)
+        server.start()
+        out["sidecar_alive"] = get(f"http://127.0.0.1:{sidecar_port}/metrics")
+    dist.barrier()
+    if rank == 1:
+        tracker.close()  # rank 1 goes silent: no more writes, endpoint down
+        out["errors_total"] = (plain.errors_total, secure.errors_total)
+    else:
+        deadline = time.monotonic() + 2 * STALE_SECONDS
+        while time.monotonic() < deadline:  # rank 0 keeps reporting
+            plain.export(reports[-1])
+            plain.flush()
+            time.sleep(0.2)
+        out["sidecar_one_silent"] = get(f"http://127.0.0.1:{sidecar_port}/metrics")
+        out["rank1_endpoint_after_close"] = try_get(f"http://127.0.0.1:{base_port + 1}/metrics")
+        assert server is not None
+        server.stop()
+    dist.barrier()
+    tracker.close()
+    if rank == 0:
+        out["errors_total"] = (plain.errors_total, secure.errors_total)
+    return out
