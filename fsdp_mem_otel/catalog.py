@@ -246,7 +246,7 @@ MODULE_PEAK_BYTES = Metric(
 )
 MODULE_FORWARD_SECONDS = Metric(
     "fsdp_mem_module_forward_seconds", GAUGE, SECONDS,
-    "Wall-clock time of the module's forward in the last step, summed over calls (light mode: hooks only).",
+    "Wall-clock time of the module's forward in the last step, summed over its calls.",
     ("module",), scope=SCOPE_MODULE, source="modules",
 )
 

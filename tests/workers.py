@@ -243,3 +243,90 @@ def disable_after_errors(opts_dict: dict[str, Any]) -> dict[str, Any]:
 
 def as_dict(opts: WrapOptions) -> dict[str, Any]:
     return dataclasses.asdict(opts)
+
+
+def _fsdp_fingerprint(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Identity of every hook, patched attribute and global the adapters touch."""
+    from torch.distributed.fsdp import _runtime_utils
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    print_ids: dict[str, Any] = {}
+    for path, m in model.named_modules():
+        print_ids[f"{path}:pre"] = [id(h) for h in m._forward_pre_hooks.values()]
+        print_ids[f"{path}:post"] = [id(h) for h in m._forward_hooks.values()]
+        state = getattr(m, "_get_fsdp_state", None)
+        if state is not None:
+            for i, group in enumerate(state()._fsdp_param_groups):
+                assert isinstance(group, FSDPParamGroup)
+                print_ids[f"{path}:group{i}"] = sorted(k for k in vars(group) if callable(vars(group)[k]))
+    for name in ("_pre_backward_hook", "_post_backward_hook", "_post_backward_reshard_only_hook",
+                 "_post_backward_final_callback", "_unshard", "_reshard"):
+        print_ids[f"runtime:{name}"] = id(getattr(_runtime_utils, name))
+    print_ids["resize_"] = id(torch.UntypedStorage.resize_)
+    print_ids["dispatch_mode"] = repr(_get_current_dispatch_mode())
+    print_ids["opt_hooks"] = [len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks)]
+    return print_ids
+
+
+def detach_restores(opts_dict: dict[str, Any]) -> dict[str, Any]:
+    """Fingerprint before attach and after detach (light and deep); re-attach works; two
+    trackers on two models stay apart; training with and without trackers is bitwise equal."""
+    rank = torch.distributed.get_rank()
+    model, opt = build(BLOCKS, WIDTH, WrapOptions(**opts_dict))
+    train_step(model, opt, make_batch(0, BATCH, WIDTH, rank))  # lazy init done
+    before = _fsdp_fingerprint(model, opt)
+    after = {}
+    for mode in ("light", "deep"):
+        tracker = FSDPMemoryTracker(model, opt, mode=mode)
+        with tracker:
+            during = _fsdp_fingerprint(model, opt)
+            train_step(model, opt, make_batch(1, BATCH, WIDTH, rank))
+            tracker.step()
+        after[mode] = _fsdp_fingerprint(model, opt)
+    again = FSDPMemoryTracker(model, opt)
+    with again:
+        train_step(model, opt, make_batch(2, BATCH, WIDTH, rank))
+        reattached = again.step().to_dict()
+
+    # two models, two trackers, interleaved steps: each sees only its own modules
+    other, other_opt = build(BLOCKS + 1, WIDTH, WrapOptions(**opts_dict), seed=1)
+    t1, t2 = FSDPMemoryTracker(model, opt).attach(), FSDPMemoryTracker(other, other_opt, mode="deep").attach()
+    train_step(model, opt, make_batch(3, BATCH, WIDTH, rank))
+    r1 = t1.step().to_dict()
+    train_step(other, other_opt, make_batch(3, BATCH, WIDTH, rank))
+    r2 = t2.step().to_dict()
+    t2.detach()
+    t1.detach()
+    return {
+        "before": before, "during": during, "after": after, "reattached": reattached,
+        "r1_modules": sorted(k for k, m in r1["modules"].items() if m["snapshots"]),
+        "r2_modules": sorted(k for k, m in r2["modules"].items() if m["snapshots"]),
+        "r1_keys": sorted(t1.module_keys), "r2_keys": sorted(t2.module_keys),
+        "errors": t1.errors_total + t2.errors_total + again.errors_total,
+        "final": _fsdp_fingerprint(model, opt),
+    }
+
+
+def bitwise_unchanged(opts_dict: dict[str, Any], steps: int = 20) -> dict[str, Any]:
+    """Losses and final parameters with no tracker and under light, deep and deep_every=3."""
+    rank = torch.distributed.get_rank()
+    out: dict[str, Any] = {}
+    for variant in ("none", "light", "deep", "deep_every"):
+        model, opt = build(BLOCKS, WIDTH, WrapOptions(**opts_dict))
+        tracker = None
+        if variant != "none":
+            tracker = FSDPMemoryTracker(model, opt, mode="deep" if variant == "deep" else "light",
+                                        deep_every=3 if variant == "deep_every" else 0).attach()
+        losses = []
+        for step in range(steps):
+            x = make_batch(step, BATCH, WIDTH, rank)
+            losses.append(train_step(model, opt, x, micro_batches=2))
+            if tracker is not None:
+                tracker.step()
+        if tracker is not None:
+            tracker.detach()
+        params = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in model.parameters()]
+        out[variant] = {"losses": losses, "params": [p.clone().numpy().tobytes() for p in params],
+                        "errors": tracker.errors_total if tracker else 0}
+    return out

@@ -83,8 +83,9 @@ class StepReportCollector:
     # -- state -------------------------------------------------------------------------------
     def update(self, report: StepReport) -> None:
         with self._lock:
+            if self._report is None or report.step != self._report.step:  # the same step twice counts once
+                self._overhead_total += float(report.tracker_overhead_seconds)
             self._report = report
-            self._overhead_total += float(report.tracker_overhead_seconds)
 
     def count_error(self) -> int:
         """Count one exporter failure; returns the new count."""
@@ -128,6 +129,8 @@ class StepReportCollector:
         out: list[Metric] = []
 
         def add(m: cat.Metric, rows: list[tuple[tuple[str, ...], float]]) -> None:
+            if not rows:  # no empty families
+                return
             fam = _family(m, ids + m.labels)
             for values, value in rows:
                 fam.add_metric(list(idv + values), value)
@@ -139,9 +142,7 @@ class StepReportCollector:
                     ((dev, c), float(cats.get(c, 0))) for dev, cats in sorted(breakdown.items()) for c in CATEGORY_KEYS
                 ])
             for key, m in cat.ALLOCATOR_METRICS.items():
-                rows = [((dev, ), float(stats[key])) for dev, stats in sorted(report.allocator.items()) if key in stats]
-                if rows:
-                    add(m, rows)
+                add(m, [((dev,), float(stats[key])) for dev, stats in sorted(report.allocator.items()) if key in stats])
             add(cat.STEPS_TOTAL, [((), float(report.step))])
         else:
             add(cat.STEPS_TOTAL, [((), 0.0)])
@@ -195,7 +196,7 @@ class StepReportCollector:
                     for dev in sorted(merged):
                         for c in CATEGORY_KEYS:
                             detail.add_metric([*idv, key, state, dev, c], float(merged[dev].get(c, 0)))
-        return [peak, fwd] + ([detail] if detail is not None else [])
+        return [f for f in (peak, fwd, detail) if f is not None and f.samples]
 
 
 class PrometheusExporter:

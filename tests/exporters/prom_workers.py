@@ -3,10 +3,10 @@ on each of the 2 real ranks (spawned by tests/dist.py; torch is imported inside 
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
+import shutil
 import socket
 import ssl
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -41,66 +41,41 @@ def free_ports(n: int) -> int:
 
 
 def make_tls(directory: Path) -> dict[str, str]:
-    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate, as PEM files."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate, as PEM files.
 
-    now = datetime.datetime.now(datetime.timezone.utc)
-    start, end = now - datetime.timedelta(hours=1), now + datetime.timedelta(days=1)
+    Made with the ``openssl`` command (the ``cryptography`` package is not a dependency).
+    """
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise RuntimeError("the TLS tests need the openssl command")
+    d = Path(directory)
 
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], check=True, capture_output=True, timeout=60)
 
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (
-        x509.CertificateBuilder().subject_name(name("fsdp-mem-otel test CA")).issuer_name(name("fsdp-mem-otel test CA"))
-        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(start).not_valid_after(end)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                                     key_encipherment=False, data_encipherment=False, key_agreement=False,
-                                     encipher_only=False, decipher_only=False), critical=True)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-
-    def leaf(cn: str, usage: x509.ObjectIdentifier, san: list[x509.GeneralName]) -> tuple[Any, Any]:
-        key = ec.generate_private_key(ec.SECP256R1())
-        b = (
-            x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca.subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-        )
-        if san:
-            b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
-        return b.sign(ca_key, hashes.SHA256()), key
-
-    server, server_key = leaf("127.0.0.1", ExtendedKeyUsageOID.SERVER_AUTH,
-                              [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
-    client, client_key = leaf("prometheus", ExtendedKeyUsageOID.CLIENT_AUTH, [])
-
-    def pem_key(k: Any) -> bytes:
-        return bytes(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                     serialization.NoEncryption()))
-
-    files = {
-        "ca": ca.public_bytes(serialization.Encoding.PEM),
-        "cert": server.public_bytes(serialization.Encoding.PEM),
-        "key": pem_key(server_key),
-        "client_cert": client.public_bytes(serialization.Encoding.PEM),
-        "client_key": pem_key(client_key),
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run("req", "-x509", *ec, "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem"), "-days", "2",
+        "-subj", "/CN=fsdp-mem-otel test CA", "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    leaves = {
+        "server": ("127.0.0.1", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n"),
+        "client": ("prometheus", "extendedKeyUsage=clientAuth\n"),
     }
-    out = {}
-    for k, data in files.items():
-        path = directory / f"{k}.pem"
-        path.write_bytes(data)
-        path.chmod(0o600)
-        out[k] = str(path)
-    return out
+    for leaf, (cn, ext) in leaves.items():
+        (d / f"{leaf}.ext").write_text(
+            "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
+            "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n" + ext
+        )
+        run("req", *ec, "-keyout", str(d / f"{leaf}.key"), "-out", str(d / f"{leaf}.csr"), "-subj", f"/CN={cn}")
+        run("x509", "-req", "-in", str(d / f"{leaf}.csr"), "-CA", str(d / "ca.pem"), "-CAkey", str(d / "ca.key"),
+            "-CAcreateserial", "-out", str(d / f"{leaf}.pem"), "-days", "2", "-extfile", str(d / f"{leaf}.ext"))
+    return {
+        "ca": str(d / "ca.pem"),
+        "cert": str(d / "server.pem"),
+        "key": str(d / "server.key"),
+        "client_cert": str(d / "client.pem"),
+        "client_key": str(d / "client.key"),
+    }
 
 
 def client_context(tls: dict[str, str], with_cert: bool = True) -> ssl.SSLContext:
