@@ -104,6 +104,39 @@ class ModuleReport:
 
 
 @dataclass
+class StepAbort:
+    """Why and where a step stopped early (an exception such as an OOM, or step() mid-pass)."""
+
+    error: str  # exception type name, or "IncompleteStep"
+    message: str
+    oom: bool
+    module: str  # innermost FSDP module active when it happened ("" if none)
+    state: str  # the last state that module reached
+    breakdown: DeviceBreakdown  # live bytes by category at that moment
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "error": self.error,
+            "message": self.message,
+            "oom": self.oom,
+            "module": self.module,
+            "state": self.state,
+            "breakdown": _copy(self.breakdown),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepAbort:
+        return cls(
+            error=str(data["error"]),
+            message=str(data.get("message", "")),
+            oom=bool(data.get("oom", False)),
+            module=str(data.get("module", "")),
+            state=str(data.get("state", "")),
+            breakdown=_copy(data.get("breakdown", {})),
+        )
+
+
+@dataclass
 class StepReport:
     """What the tracker saw during one training step. Plain data, JSON-able via to_dict()."""
 
@@ -125,6 +158,8 @@ class StepReport:
     timestamp: float = 0.0
     start_time_ns: int = 0
     end_time_ns: int = 0
+    #: None for a step that completed; else what stopped it (see StepAbort)
+    aborted: StepAbort | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -145,6 +180,7 @@ class StepReport:
             "timestamp": self.timestamp,
             "start_time_ns": self.start_time_ns,
             "end_time_ns": self.end_time_ns,
+            "aborted": None if self.aborted is None else self.aborted.to_dict(),
         }
 
     def to_json(self) -> str:
@@ -177,6 +213,7 @@ class StepReport:
             timestamp=float(data.get("timestamp", 0.0)),
             start_time_ns=int(data.get("start_time_ns", 0)),
             end_time_ns=int(data.get("end_time_ns", 0)),
+            aborted=None if data.get("aborted") is None else StepAbort.from_dict(data["aborted"]),
         )
 
     def peak_total(self, device: str | None = None) -> int:

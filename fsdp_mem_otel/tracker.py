@@ -7,7 +7,8 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from fsdp_mem_otel.model import (
     POST_FORWARD_AC,
     PRE_FORWARD_AC,
     ModuleReport,
+    StepAbort,
     StepReport,
 )
 
@@ -128,6 +130,9 @@ class FSDPMemoryTracker:
         self._opt_handles: list[Any] = []
         self._opt_tensors: dict[int, weakref.ref[torch.Tensor]] = {}
         self._deep_mode: DeepMode | None = None
+        self._abort: StepAbort | None = None
+        self._last_state: tuple[str, str] | None = None  # (module key, state) of the last snapshot
+        self._module_last_state: dict[str, str] = {}
         self._reset_step_state()
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -202,6 +207,11 @@ class FSDPMemoryTracker:
             end_time_ns=end_ns,
         )
         try:
+            if self._abort is None and self._windows:
+                self._abort = self._make_abort(
+                    "IncompleteStep", "step() called while a forward or backward pass was still open", False
+                )
+            report.aborted = self._abort
             self._close_open_windows()
             report.peak = self.ledger.step_peak()
             report.current = self.ledger.snapshot()
@@ -231,6 +241,41 @@ class FSDPMemoryTracker:
             except Exception as exc:  # noqa: BLE001
                 self.report_error(exc)
 
+    def record_exception(self, exc: BaseException) -> None:
+        """Mark the current step as stopped by ``exc`` (e.g. torch.OutOfMemoryError).
+
+        Keeps which FSDP module and state were active and the live breakdown at this moment; the
+        next ``step()`` reports them in ``StepReport.aborted`` with the step's peak so far, and
+        the step after that is tracked normally. ``step_scope()`` calls this for you.
+        """
+        if not self.attached or self._abort is not None:
+            return
+        try:
+            self._abort = self._make_abort(type(exc).__name__, str(exc)[:500], _is_oom(exc))
+        except Exception as err:  # noqa: BLE001
+            self.report_error(err)
+
+    @contextlib.contextmanager
+    def step_scope(self) -> Iterator[None]:
+        """``with tracker.step_scope(): forward/backward/optimizer`` records an exception that
+        escapes (then re-raises it). Call ``step()`` afterwards either way."""
+        try:
+            yield
+        except BaseException as exc:
+            self.record_exception(exc)
+            raise
+
+    def _make_abort(self, error: str, message: str, oom: bool) -> StepAbort:
+        # The innermost open forward/backward window is the module that was running.
+        if self._windows:
+            key = self._windows[-1][0]
+        elif self._last_state is not None:
+            key = self._last_state[0]
+        else:
+            key = ""
+        state = self._module_last_state.get(key, "")
+        return StepAbort(error, message, oom, key, state, self.ledger.snapshot())
+
     def track_inputs(self, obj: Any) -> None:
         """Account the tensors in ``obj`` (nested lists/tuples/dicts) as model inputs."""
         try:
@@ -249,6 +294,9 @@ class FSDPMemoryTracker:
         self.phase = "idle"
         self.in_ac_recompute = False
         self._ac_key = None
+        self._abort = None
+        self._last_state = None
+        self._module_last_state = {}
 
     def _begin_step(self) -> None:
         step = self.steps_completed + 1
@@ -293,6 +341,8 @@ class FSDPMemoryTracker:
             self._append(key, peak_state, self.ledger.close_window())
 
     def _append(self, key: str, state: str, snap: dict[str, dict[str, int]]) -> None:
+        self._last_state = (key, state)
+        self._module_last_state[key] = state
         mod = self._modules.get(key)
         if mod is None:
             mod = self._modules[key] = ModuleReport()
@@ -410,6 +460,10 @@ class FSDPMemoryTracker:
                             known[id(value)] = weakref.ref(value)
         except Exception as exc:  # noqa: BLE001
             self.report_error(exc)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
 def _origin(exc: BaseException) -> str:

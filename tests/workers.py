@@ -330,3 +330,39 @@ def bitwise_unchanged(opts_dict: dict[str, Any], steps: int = 20) -> dict[str, A
         out[variant] = {"losses": losses, "params": [p.clone().numpy().tobytes() for p in params],
                         "errors": tracker.errors_total if tracker else 0}
     return out
+
+
+def oom_mid_step(opts_dict: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """Raise torch.OutOfMemoryError inside layers.1's forward or backward on step 2 (both ranks),
+    recover as FSDP2 documents (reset_iter_state), and keep training under the tracker."""
+    from fsdp_mem_otel.demo import Block
+
+    rank = torch.distributed.get_rank()
+    model, opt = build(BLOCKS, WIDTH, WrapOptions(**opts_dict))
+    block = [m for m in model.modules() if isinstance(m, Block)][1]
+    armed = {"on": False}
+
+    def boom(*_: Any) -> None:
+        if armed["on"]:
+            armed["on"] = False
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    tracker = FSDPMemoryTracker(model, opt, deep_every=2).attach()
+    if where == "forward":  # runs after FSDP's unshard and the tracker's after_pre_forward
+        block.register_forward_pre_hook(boom)
+    else:  # fires after FSDP's pre-backward for this block
+        block.register_forward_hook(lambda m, i, out: out.register_hook(lambda g: boom()) and None)
+    reports = []
+    for step in range(4):
+        settle()
+        armed["on"] = step == 1
+        x = make_batch(step, BATCH, WIDTH, rank)
+        try:
+            with tracker.step_scope():
+                train_step(model, opt, x, on_inputs=tracker.track_inputs)
+        except torch.OutOfMemoryError:
+            model.reset_iter_state()  # type: ignore[operator]
+            opt.zero_grad(set_to_none=True)
+        reports.append(tracker.step().to_dict())
+    tracker.detach()
+    return reports
