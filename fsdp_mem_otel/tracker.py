@@ -74,8 +74,10 @@ class FSDPMemoryTracker:
             every StepReport; their failures are counted and logged, never raised.
 
     Use ``with tracker:`` (or attach()/detach()) around the whole run and call ``step()`` once per
-    training step, after ``optimizer.step()``. Internal failures are logged once, counted in
-    ``errors_total`` and never raised into training.
+    training step, after ``optimizer.step()``, from the thread that attached (FSDP hooks may fire
+    on autograd's threads; that is fine). Internal failures are logged once, counted in
+    ``errors_total`` and never raised into training. ``step()`` with no forward in between
+    returns a report with no module snapshots; calling it twice in a row is harmless.
     """
 
     def __init__(
@@ -125,7 +127,6 @@ class FSDPMemoryTracker:
         self.attached = False
         self.disabled = False
         self._logged_errors: set[str] = set()
-        self._lock = threading.Lock()
         self._owner_thread: int | None = None
         self._opt_handles: list[Any] = []
         self._opt_tensors: dict[int, weakref.ref[torch.Tensor]] = {}
@@ -187,6 +188,11 @@ class FSDPMemoryTracker:
         Live tensors (params, grads, optimizer state) stay accounted; module snapshots and peaks
         restart. Call it once per training step, after the optimizer step.
         """
+        if self._owner_thread is not None and threading.get_ident() != self._owner_thread:
+            raise RuntimeError(
+                "tracker.step() must be called from the thread that called attach() (the training "
+                "loop's thread): deep mode's dispatch mode is per thread"
+            )
         now = time.perf_counter()
         self.steps_completed += 1
         end_ns = time.time_ns()

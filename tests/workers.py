@@ -366,3 +366,72 @@ def oom_mid_step(opts_dict: dict[str, Any], where: str) -> list[dict[str, Any]]:
         reports.append(tracker.step().to_dict())
     tracker.detach()
     return reports
+
+
+ODD_NAMES = ('blk "quoted"', "blk{brace}=1", "blk\\back", "blk-é-ü", "blk\nnewline")
+
+
+class OddNames(nn.Module):
+    """Blocks under names with characters special to Prometheus labels and JSON."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from fsdp_mem_otel.demo import Block
+
+        self.blocks = nn.ModuleDict({name: Block(WIDTH) for name in ODD_NAMES})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks.values():
+            x = b(x)
+        return x
+
+
+def edge_cases(fsdp: int) -> dict[str, Any]:
+    """step() with no forward, twice in a row, from another thread; odd module names."""
+    import json
+    import threading
+
+    from fsdp_mem_otel.demo import Block
+
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model: nn.Module = OddNames()
+    if fsdp == 2:
+        from torch.distributed.fsdp import fully_shard
+
+        for b in model.blocks.values():  # type: ignore[operator]
+            fully_shard(b)
+        fully_shard(model)
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                                         device_id=torch.device("cpu"))
+    opt = torch.optim.Adam(model.parameters())
+    tracker = FSDPMemoryTracker(model, opt).attach()
+    empty1 = tracker.step().to_dict()
+    empty2 = tracker.step().to_dict()
+    thread_error: list[str] = []
+
+    def from_thread() -> None:
+        try:
+            tracker.step()
+        except RuntimeError as exc:
+            thread_error.append(str(exc))
+
+    t = threading.Thread(target=from_thread)
+    t.start()
+    t.join()
+    train_step(model, opt, make_batch(0, BATCH, WIDTH, rank))
+    report = tracker.step()
+    text = report.to_json()
+    tracker.detach()
+    return {
+        "empty": [empty1, empty2],
+        "thread_error": thread_error,
+        "keys": tracker.module_keys,
+        "json_keys": sorted(json.loads(text)["modules"]),
+        "report": report.to_dict(),
+        "errors": tracker.errors_total,
+    }

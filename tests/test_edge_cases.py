@@ -1,0 +1,27 @@
+"""Odd but legal use: documented behaviour, clear errors, never a crash of training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fsdp_mem_otel.model import StepReport
+from tests import workers
+from tests.dist import run_ranks
+
+
+@pytest.mark.parametrize("fsdp", [1, 2])
+def test_edge_cases(fsdp: int) -> None:
+    for res in run_ranks(workers.edge_cases, fsdp):
+        # step() before any forward, and twice in a row: empty reports, counted steps
+        assert [r["step"] for r in res["empty"]] == [1, 2]
+        assert all(r["modules"] == {} and r["aborted"] is None for r in res["empty"])
+        # step() from a second thread: a clear error naming the rule
+        assert len(res["thread_error"]) == 1 and "thread that called attach()" in res["thread_error"][0]
+        # module names with quotes, braces, backslashes, non-ASCII and newlines survive as keys
+        expected = sorted(["<root>"] + [f"blocks.{n}" for n in workers.ODD_NAMES])
+        assert sorted(res["keys"]) == expected == res["json_keys"]
+        report = StepReport.from_dict(json.loads(json.dumps(res["report"])))
+        assert report.step == 3 and sorted(report.modules) == expected
+        assert res["errors"] == 0
