@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 import weakref
-import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
