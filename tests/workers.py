@@ -435,3 +435,29 @@ def edge_cases(fsdp: int) -> dict[str, Any]:
         "report": report.to_dict(),
         "errors": tracker.errors_total,
     }
+
+
+def soak(light_steps: int, deep_steps: int) -> dict[str, Any]:
+    """Many steps on a tiny model: the tracker's own tables and the process RSS must stay flat."""
+    import psutil
+
+    rank = torch.distributed.get_rank()
+    model, opt = build(2, 16, WrapOptions(fsdp=2))
+    proc = psutil.Process()
+    samples = []
+    for mode, steps in (("light", light_steps), ("deep", deep_steps)):
+        tracker = FSDPMemoryTracker(model, opt, mode=mode).attach()
+        x = make_batch(0, 4, 16, rank)
+        for step in range(steps):
+            train_step(model, opt, x, on_inputs=tracker.track_inputs)
+            tracker.step()
+            if step in (steps // 10, steps - 1):
+                gc.collect()
+                samples.append({
+                    "mode": mode, "step": step, "rss": proc.memory_info().rss,
+                    "ledger": len(tracker.ledger), "opt_tensors": len(tracker._opt_tensors),
+                    "windows": tracker.ledger.open_windows, "logged": len(tracker._logged_errors),
+                    "errors": tracker.errors_total,
+                })
+        tracker.detach()
+    return {"samples": samples}
