@@ -1,4 +1,4 @@
-"""The ``fsdp-mem-otel`` command."""
+"""The ``fsdp-mem-otel`` command: demo | serve."""
 
 from __future__ import annotations
 
@@ -6,41 +6,63 @@ import argparse
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
+
+USAGE = """usage: fsdp-mem-otel COMMAND [options]
+
+commands:
+  demo    run a real 2-rank FSDP training on CPU with the tracker; print per-module tables
+  serve   serve every rank's sidecar exposition files from one /metrics endpoint
+
+`fsdp-mem-otel COMMAND --help` for a command's options."""
 
 
-def _demo(args: argparse.Namespace, rest: list[str]) -> int:
-    """Launch a real 2-rank FSDP training on CPU (gloo) under torchrun, with the tracker on."""
+def demo(argv: Sequence[str]) -> int:
+    """Launch the demo's ranks under torchrun (gloo, CPU), after validating the options here."""
+    from fsdp_mem_otel.demo import add_demo_args
+
+    p = argparse.ArgumentParser(
+        prog="fsdp-mem-otel demo",
+        description="Run a real FSDP training on CPU (gloo, one process per rank) with the tracker on.",
+    )
+    p.add_argument("--nproc", type=int, default=2, help="ranks to launch (default 2)")
+    add_demo_args(p)
+    args = p.parse_args(argv)
+    rank_args = list(argv)
+    if "--nproc" in rank_args:  # the launcher's option, not the ranks'
+        i = rank_args.index("--nproc")
+        del rank_args[i : i + 2]
+    rank_args = [a for a in rank_args if not a.startswith("--nproc=")]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-        "-m", "fsdp_mem_otel.demo", *rest,
+        "-m", "fsdp_mem_otel.demo", *rank_args,
     ]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    print(f"launching {args.nproc} ranks: {' '.join(cmd[2:])}", flush=True)
+    print(f"launching {args.nproc} ranks: torchrun {' '.join(cmd[4:])}", flush=True)
     return subprocess.call(cmd, env=env)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fsdp-mem-otel", description="Per-module FSDP memory tracking.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
-        "demo",
-        help="run a real 2-rank FSDP training on CPU with the tracker and print per-module tables",
-        description="Run a real FSDP training on CPU (gloo) with the tracker; options after the "
-        "known ones go to the rank processes: --steps N --fsdp 1|2 --blocks N --width N --batch N "
-        "--mode light|deep --deep-every N.",
-    )
-    demo.add_argument("--nproc", type=int, default=2, help="ranks to launch (default 2)")
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "demo":
-        from fsdp_mem_otel.demo import _add_demo_args
+def serve(argv: Sequence[str]) -> int:
+    from fsdp_mem_otel.serve import serve_main
 
-        check = argparse.ArgumentParser(prog="fsdp-mem-otel demo")
-        _add_demo_args(check)
-        check.parse_args(rest)  # reject bad options here, before starting ranks
-        return _demo(args, rest)
-    parser.error(f"unknown command {args.command!r}")
-    return 2
+    return serve_main(argv)
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"demo": demo, "serve": serve}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command not in COMMANDS:
+        print(f"fsdp-mem-otel: unknown command {command!r}; accepted: {', '.join(COMMANDS)}\n\n{USAGE}",
+              file=sys.stderr)
+        return 2
+    return COMMANDS[command](rest)
 
 
 if __name__ == "__main__":

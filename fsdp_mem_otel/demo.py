@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -161,11 +162,12 @@ def run_demo(argv: list[str] | None = None) -> int:
     from fsdp_mem_otel.tracker import FSDPMemoryTracker
 
     p = argparse.ArgumentParser(prog="fsdp_mem_otel.demo")
-    _add_demo_args(p)
+    add_demo_args(p)
     args = p.parse_args(argv)
     rank, world = init_distributed()
     model, opt = build(args.blocks, args.width, WrapOptions(fsdp=args.fsdp))
-    tracker = FSDPMemoryTracker(model, opt, mode=args.mode, deep_every=args.deep_every)
+    exporters = _demo_exporters(args, rank, world)
+    tracker = FSDPMemoryTracker(model, opt, mode=args.mode, deep_every=args.deep_every, exporters=exporters)
     last_deep = None
     with tracker:
         t0 = time.perf_counter()
@@ -188,33 +190,65 @@ def run_demo(argv: list[str] | None = None) -> int:
             print()
             print(module_table(rep))
         print(f"\ntracker errors: {tracker.errors_total}")
+    tracker.close()
     dist.destroy_process_group()
     return 0
 
 
-def _add_demo_args(p: object) -> None:
-    import argparse
+def _demo_exporters(args: Any, rank: int, world: int) -> list[Any]:
+    exporters: list[Any] = []
+    if args.port is not None or args.sidecar_dir:
+        from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
 
-    assert isinstance(p, argparse.ArgumentParser)
+        exporters.append(PrometheusExporter(base_port=args.port or 9400, addr="127.0.0.1",
+                                            http=args.port is not None, sidecar_dir=args.sidecar_dir))
+        if rank == 0:
+            if args.port is not None:
+                urls = ", ".join(f"http://127.0.0.1:{args.port + r}/metrics" for r in range(world))
+                print(f"[rank 0] Prometheus per rank: {urls}", flush=True)
+            if args.sidecar_dir:
+                print(f"[rank 0] sidecar files in {args.sidecar_dir}; serve them with: "
+                      f"fsdp-mem-otel serve --dir {args.sidecar_dir} --port 9400", flush=True)
+    return exporters
+
+
+def add_demo_args(p: Any) -> None:
+    """The rank-side demo options (shared with the ``fsdp-mem-otel demo`` launcher)."""
     p.add_argument("--steps", type=_positive, default=20, help="training steps (default 20)")
     p.add_argument("--fsdp", type=int, choices=(1, 2), default=2, help="FSDP generation (default 2)")
     p.add_argument("--blocks", type=_positive, default=4, help="residual blocks (default 4)")
     p.add_argument("--width", type=_positive, default=64, help="block width (default 64)")
     p.add_argument("--batch", type=_positive, default=32, help="batch size per rank (default 32)")
     p.add_argument("--mode", choices=("light", "deep"), default="light", help="tracker mode (default light)")
-    p.add_argument("--deep-every", type=int, default=5, help="run every Nth step deep (default 5; 0 = never)")
+    p.add_argument("--deep-every", type=_non_negative, default=5, help="run every Nth step deep (default 5; 0 = never)")
+    p.add_argument("--port", type=_port, default=None,
+                   help="serve Prometheus /metrics per rank on PORT + local rank (default: off)")
+    p.add_argument("--sidecar-dir", default=None,
+                   help="also write each rank's exposition to DIR/rank-<rank>.prom for `fsdp-mem-otel serve`")
 
 
-def _positive(raw: str) -> int:
+def _int_at_least(raw: str, low: int, what: str, high: int | None = None) -> int:
     import argparse
 
     try:
         value = int(raw)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {raw!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {raw!r}") from None
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
     return value
+
+
+def _positive(raw: str) -> int:
+    return _int_at_least(raw, 1, "a positive integer")
+
+
+def _non_negative(raw: str) -> int:
+    return _int_at_least(raw, 0, "an integer >= 0")
+
+
+def _port(raw: str) -> int:
+    return _int_at_least(raw, 1, "a TCP port (1-65535)", 65535)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,8 @@ class SidecarCollector:
     def _rank_files(self) -> list[tuple[int, str]]:
         try:
             names = os.listdir(self.directory)
+        except FileNotFoundError:  # no rank has written yet
+            return []
         except OSError as exc:
             self._log_once("listdir", f"cannot list {self.directory}: {exc!r}")
             return []
@@ -260,7 +262,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def serve_main(argv: Sequence[str] | None = None) -> int:
     """``fsdp-mem-otel serve --dir D --port P [...]``: serve until SIGTERM / Ctrl-C."""
-    p = argparse.ArgumentParser(prog="fsdp-mem-otel serve", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="fsdp-mem-otel serve", description=(__doc__ or "").split("\n\n")[0])
     add_serve_args(p)
     args = p.parse_args(argv)
     if (args.certfile is None) != (args.keyfile is None):

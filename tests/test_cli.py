@@ -33,3 +33,21 @@ def test_demo_rejects_bad_options_before_launching() -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "--steps: expected a positive integer, got 0" in out.stderr
+
+
+def test_demo_serves_prometheus_per_rank_and_writes_sidecar_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tests.dist import free_port
+
+    base = free_port()
+    sidecar = tmp_path / "metrics"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "-m", "fsdp_mem_otel.cli", "demo", "--steps", "3", "--blocks", "2",
+         "--port", str(base), "--sidecar-dir", str(sidecar)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"http://127.0.0.1:{base}/metrics, http://127.0.0.1:{base + 1}/metrics" in out.stdout
+    for rank in (0, 1):
+        text = (sidecar / f"rank-{rank}.prom").read_text()
+        assert 'fsdp_mem_steps_total{' in text and f'rank="{rank}"' in text

@@ -56,7 +56,7 @@ def rank_file_name(rank: int) -> str:
     return f"rank-{int(rank)}.prom"
 
 
-def _family(m: cat.Metric, labels: tuple[str, ...]) -> Metric:
+def _family(m: cat.Metric, labels: tuple[str, ...]) -> GaugeMetricFamily | CounterMetricFamily:
     cls = CounterMetricFamily if m.type == cat.COUNTER else GaugeMetricFamily
     return cls(m.name, m.help, labels=list(labels))
 

@@ -1,3 +1,4 @@
+# ruff: noqa: E501 - the exact exposition below has the long lines Prometheus writes
 """Prometheus exporter: exact exposition of synthetic reports, catalog rules, cardinality, faults,
 and a real 2-rank FSDP2 run scraped over HTTP, mutual TLS and through the sidecar server."""
 
@@ -38,7 +39,7 @@ IDENTITY = Identity("train", 1, 1, 2, "host", pod="train-1", namespace="ml")
 def small_report() -> StepReport:
     peak = {"cuda:0": dict(zip(CATEGORY_KEYS, [1024, 0, 64, 1024, 0, 4096, 512, 0, 0, 2048, 256, 8960], strict=True))}
     cur = {"cuda:0": dict(zip(CATEGORY_KEYS, [1024, 0, 64, 1024, 0, 0, 0, 0, 0, 2048, 0, 4160], strict=True))}
-    alloc = {
+    alloc: dict[str, dict[str, float]] = {
         "cuda:0": {"allocated_bytes": 5000, "reserved_bytes": 8192, "num_alloc_retries": 2, "fragmentation_ratio": 0.25},
         "cpu": {"resident_bytes": 123456789},
     }
@@ -65,7 +66,7 @@ def big_report(n_modules: int = 100) -> StepReport:
     keys = ["<root>"] + [f"layers.{i}" for i in range(n_modules - 1)]
     times = {s: [10, 20] for s in STATES}
     mods = {k: ModuleReport({s: [b, b] for s in STATES}, dict(times)) for k in keys}
-    alloc = {"cuda:0": {k: 1.0 for k in ALLOCATOR_KEYS if k != "resident_bytes"}, "cpu": {"resident_bytes": 1.0}}
+    alloc: dict[str, dict[str, float]] = {"cuda:0": {k: 1.0 for k in ALLOCATOR_KEYS if k != "resident_bytes"}, "cpu": {"resident_bytes": 1.0}}
     return StepReport(step=1, rank=0, world_size=2, mode="light", fsdp_version=1, peak=b, modules=mods,
                       module_order=keys, current=b, allocator=alloc)
 
@@ -370,6 +371,19 @@ def test_export_never_raises_on_malformed_report(caplog: pytest.LogCaptureFixtur
     exp.shutdown()
 
 
+def test_overhead_total_counts_each_step_once() -> None:
+    registry = CollectorRegistry()
+    collector = StepReportCollector(IDENTITY)
+    registry.register(collector)
+    first, second = small_report(), small_report()
+    second.step = 8
+    for report in (first, first, second):  # the same step exported twice counts once
+        collector.update(report)
+    text = generate_latest(registry).decode()
+    assert value(text, "fsdp_mem_tracker_overhead_seconds_total") == 0.25
+    assert value(text, "fsdp_mem_steps_total") == 8
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="certfile and keyfile"):
         PrometheusExporter(IDENTITY, certfile="c.pem", http=False)
@@ -394,9 +408,9 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"ranks": results, "base": base, "tls_base": tls_base, "dir": sidecar_dir}
 
 
-def _check_rank_text(text: str, report: dict[str, Any]) -> None:
+def _check_rank_text(text: str, report: dict[str, Any], job: str) -> None:
     r = str(report["rank"])
-    ident = {"job_name": "fsdp", "rank": r, "local_rank": r, "world_size": "2"}
+    ident = {"job_name": job, "rank": r, "local_rank": r, "world_size": "2"}
     for s in samples(text):
         assert {k: s.labels.get(k) for k in ident} == ident, s
     for c in CATEGORY_KEYS:
@@ -425,7 +439,9 @@ def test_real_ranks_scraped_over_http(real_run: dict[str, Any]) -> None:
         report = ranks[endpoint]["reports"][-1]
         # each rank scraped both endpoints; the last report was served the same to both
         assert ranks[0]["scrapes"][endpoint] == ranks[1]["scrapes"][endpoint]
-        _check_rank_text(ranks[0]["scrapes"][endpoint], report)
+        assert ranks[endpoint]["job"] == "fsdp" or os.environ.get("FSDP_MEM_OTEL_JOB") or os.environ.get(
+            "TORCHELASTIC_RUN_ID")  # no job configured: the default name
+        _check_rank_text(ranks[0]["scrapes"][endpoint], report, ranks[endpoint]["job"])
         promtool_check(ranks[0]["scrapes"][endpoint])
 
 
@@ -446,7 +462,7 @@ def test_real_sidecar_merges_ranks_and_flags_the_silent_one(real_run: dict[str, 
     per_rank = {line for r in range(2) for line in ranks[0]["scrapes"][r].splitlines() if not line.startswith("#")}
     assert rank_series == per_rank  # every series of both ranks, each once, same values
     for r in range(2):
-        labels = {"rank": str(r), "job_name": "fsdp", "local_rank": str(r), "world_size": "2"}
+        labels = {"rank": str(r), "job_name": ranks[r]["job"], "local_rank": str(r), "world_size": "2"}
         assert value(alive, "fsdp_mem_sidecar_rank_stale", **labels) == 0
         assert value(alive, "fsdp_mem_sidecar_rank_last_update_timestamp_seconds", rank=str(r)) > \
             ranks[r]["reports"][-1]["timestamp"] - 1
