@@ -219,6 +219,9 @@ class PrometheusExporter:
         registry: register the collector here (default: a private ``CollectorRegistry``) and
             serve that registry.
         http: serve ``/metrics`` over HTTP (default True); False for sidecar-only export.
+        heartbeat_seconds: between steps, refresh the sidecar file's modification time this often,
+            so the sidecar marks a rank stale only when its process is gone (a rank stuck in a
+            collective stays fresh; its last-step timestamp shows it is stuck).
 
     Never raises into training for I/O: a port already taken, an unwritable directory or a
     failed write is logged once, counted in ``fsdp_mem_errors_total{component="exporter"}`` and
@@ -239,6 +242,7 @@ class PrometheusExporter:
         sidecar_dir: str | os.PathLike[str] | None = None,
         registry: CollectorRegistry | None = None,
         http: bool = True,
+        heartbeat_seconds: float = 10.0,
     ) -> None:
         if identity is None:
             identity = Identity.from_env()
@@ -254,6 +258,9 @@ class PrometheusExporter:
             raise ValueError("client_cafile (mutual TLS) needs certfile and keyfile")
         if registry is not None and not isinstance(registry, CollectorRegistry):
             raise TypeError(f"registry must be a prometheus_client CollectorRegistry; got {type(registry).__name__}")
+        if isinstance(heartbeat_seconds, bool) or not isinstance(heartbeat_seconds, (int, float)) \
+                or not heartbeat_seconds > 0:
+            raise ValueError(f"heartbeat_seconds must be a number > 0; got {heartbeat_seconds!r}")
         self.identity = identity
         self.collector = StepReportCollector(identity, detail=detail)
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -274,7 +281,8 @@ class PrometheusExporter:
         if sidecar_dir is not None:
             directory = os.fspath(sidecar_dir)
             self.sidecar_path = os.path.join(directory, rank_file_name(identity.rank))
-            self._writer = _SidecarWriter(directory, self.sidecar_path, self._render, self.collector.count_error)
+            self._writer = _SidecarWriter(directory, self.sidecar_path, self._render, self.collector.count_error,
+                                          heartbeat_seconds)
 
     @property
     def errors_total(self) -> int:
@@ -363,7 +371,9 @@ class _SidecarWriter:
         path: str,
         render: Callable[[], bytes],
         on_error: Callable[[], object],
+        heartbeat_seconds: float = 10.0,
     ) -> None:
+        self._heartbeat = heartbeat_seconds
         self.directory = directory
         self.path = path
         self._render = render
@@ -397,14 +407,28 @@ class _SidecarWriter:
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._requested > self._done or self._closing)
+                woke = self._cond.wait_for(lambda: self._requested > self._done or self._closing, self._heartbeat)
                 if self._requested == self._done and self._closing:
                     return
                 target = self._requested
+            if not woke:
+                self._touch()
+                continue
             ok = self._write_once()
             with self._cond:
                 self._done, self._ok = target, ok
                 self._cond.notify_all()
+
+    def _touch(self) -> None:
+        # Heartbeat: a live rank whose training is stuck (e.g. in a collective with a dead peer)
+        # keeps its file fresh, so the sidecar tells "process dead" (stale) from "no progress"
+        # (last_step_timestamp ages). Nothing written yet, or writes failing: nothing to touch.
+        if self._done == 0 or not self._ok:
+            return
+        try:
+            os.utime(self.path)
+        except OSError:
+            self._on_error()
 
     def _write_once(self) -> bool:
         tmp = None
