@@ -238,6 +238,22 @@ TRACKER_INFO = Metric(
     ("fsdp_version", "version"), source="fsdp_version",
 )
 
+ABORTED_STEPS_TOTAL = Metric(
+    "fsdp_mem_aborted_steps_total", COUNTER, "",
+    "Steps stopped early by an exception (kind=oom for out-of-memory, kind=error otherwise).",
+    ("kind",), source="aborted",
+)
+LAST_OOM_TIMESTAMP_SECONDS = Metric(
+    "fsdp_mem_last_oom_timestamp_seconds", GAUGE, SECONDS,
+    "Unix time of the last out-of-memory step, labelled with the FSDP module and state that were active.",
+    ("module", "state"), source="aborted",
+)
+LAST_OOM_BYTES = Metric(
+    "fsdp_mem_last_oom_bytes", GAUGE, BYTES,
+    "Live bytes by category at the moment of the last out-of-memory error, on the fullest device.",
+    ("device", "category"), source="aborted",
+)
+
 # -- per FSDP module (default, bounded per module) ----------------------------------------------
 MODULE_PEAK_BYTES = Metric(
     "fsdp_mem_module_peak_bytes", GAUGE, BYTES,
@@ -287,6 +303,9 @@ METRICS: tuple[Metric, ...] = (
     STEP_DURATION_SECONDS,
     STEP_DEEP,
     TRACKER_INFO,
+    ABORTED_STEPS_TOTAL,
+    LAST_OOM_TIMESTAMP_SECONDS,
+    LAST_OOM_BYTES,
     MODULE_PEAK_BYTES,
     MODULE_FORWARD_SECONDS,
     MODULE_STATE_BYTES,

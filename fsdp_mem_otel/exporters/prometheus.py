@@ -39,6 +39,7 @@ from fsdp_mem_otel.model import (
     PEAK_BACKWARD,
     PEAK_FORWARD,
     STATES,
+    StepAbort,
     StepReport,
 )
 
@@ -79,12 +80,19 @@ class StepReportCollector:
         self._report: StepReport | None = None
         self._overhead_total = 0.0
         self._exporter_errors = 0
+        self._aborted = {"oom": 0, "error": 0}
+        self._last_oom: tuple[float, StepAbort] | None = None
 
     # -- state -------------------------------------------------------------------------------
     def update(self, report: StepReport) -> None:
         with self._lock:
             if self._report is None or report.step != self._report.step:  # the same step twice counts once
                 self._overhead_total += float(report.tracker_overhead_seconds)
+                if report.aborted is not None:
+                    kind = "oom" if report.aborted.oom else "error"
+                    self._aborted[kind] += 1
+                    if report.aborted.oom:
+                        self._last_oom = (report.timestamp, report.aborted)
             self._report = report
 
     def count_error(self) -> int:
@@ -160,6 +168,16 @@ class StepReportCollector:
             add(cat.STEP_DEEP, [((), 1.0 if report.mode == DEEP else 0.0)])
         fsdp_version = str(report.fsdp_version) if report is not None else ""
         add(cat.TRACKER_INFO, [((fsdp_version, __version__), 1.0)])
+        with self._lock:
+            aborted, last_oom = dict(self._aborted), self._last_oom
+        add(cat.ABORTED_STEPS_TOTAL, [((kind,), float(n)) for kind, n in sorted(aborted.items())])
+        if last_oom is not None:
+            when, abort = last_oom
+            add(cat.LAST_OOM_TIMESTAMP_SECONDS, [((abort.module, abort.state), float(when))])
+            if abort.breakdown:  # the fullest device only: the one that ran out, in a bounded series count
+                dev = max(sorted(abort.breakdown), key=lambda d: abort.breakdown[d].get("total", 0))
+                cats = abort.breakdown[dev]
+                add(cat.LAST_OOM_BYTES, [((dev, c), float(cats.get(c, 0))) for c in CATEGORY_KEYS])
         if report is not None:
             out.extend(self._module_families(report))
         return out

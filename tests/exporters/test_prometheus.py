@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fsdp_mem_otel import catalog as cat
 from fsdp_mem_otel.exporters.prometheus import PrometheusExporter, StepReportCollector
 from fsdp_mem_otel.identity import Identity
-from fsdp_mem_otel.model import CATEGORY_KEYS, STATES, ModuleReport, StepReport
+from fsdp_mem_otel.model import CATEGORY_KEYS, STATES, ModuleReport, StepAbort, StepReport
 from tests.dist import run_ranks
 from tests.exporters import prom_workers
 
@@ -67,8 +67,9 @@ def big_report(n_modules: int = 100) -> StepReport:
     times = {s: [10, 20] for s in STATES}
     mods = {k: ModuleReport({s: [b, b] for s in STATES}, dict(times)) for k in keys}
     alloc: dict[str, dict[str, float]] = {"cuda:0": {k: 1.0 for k in ALLOCATOR_KEYS if k != "resident_bytes"}, "cpu": {"resident_bytes": 1.0}}
+    oom = StepAbort("OutOfMemoryError", "CUDA out of memory", True, keys[-1], "after_pre_forward", b)
     return StepReport(step=1, rank=0, world_size=2, mode="light", fsdp_version=1, peak=b, modules=mods,
-                      module_order=keys, current=b, allocator=alloc)
+                      module_order=keys, current=b, allocator=alloc, aborted=oom)
 
 
 def exposition(report: StepReport | None, identity: Identity = IDENTITY, detail: bool = False) -> str:
@@ -167,6 +168,10 @@ fsdp_mem_step_deep{job_name="train",local_rank="1",namespace="ml",pod="train-1",
 # HELP fsdp_mem_tracker_info Always 1; labels say the FSDP generation and the fsdp_mem_otel version.
 # TYPE fsdp_mem_tracker_info gauge
 fsdp_mem_tracker_info{fsdp_version="2",job_name="train",local_rank="1",namespace="ml",pod="train-1",rank="1",version="0.1.0",world_size="2"} 1.0
+# HELP fsdp_mem_aborted_steps_total Steps stopped early by an exception (kind=oom for out-of-memory, kind=error otherwise).
+# TYPE fsdp_mem_aborted_steps_total counter
+fsdp_mem_aborted_steps_total{job_name="train",kind="error",local_rank="1",namespace="ml",pod="train-1",rank="1",world_size="2"} 0.0
+fsdp_mem_aborted_steps_total{job_name="train",kind="oom",local_rank="1",namespace="ml",pod="train-1",rank="1",world_size="2"} 0.0
 # HELP fsdp_mem_module_peak_bytes Peak total bytes during the module's forward or backward in the last step (max over calls and devices).
 # TYPE fsdp_mem_module_peak_bytes gauge
 fsdp_mem_module_peak_bytes{job_name="train",local_rank="1",module="<root>",namespace="ml",phase="forward",pod="train-1",rank="1",world_size="2"} 7000.0
@@ -184,10 +189,35 @@ def test_exact_exposition() -> None:
     assert exposition(small_report()) == EXPECTED
 
 
+def test_oom_step_counts_and_keeps_where_it_happened() -> None:
+    registry = CollectorRegistry()
+    collector = StepReportCollector(IDENTITY)
+    registry.register(collector)
+    first = small_report()
+    breakdown = {"cpu": {c: 10 * i for i, c in enumerate(CATEGORY_KEYS)}}
+    first.aborted = StepAbort("OutOfMemoryError", "CUDA out of memory", True, "layers.1", "after_pre_forward",
+                              breakdown)
+    collector.update(first)
+    second = small_report()
+    second.step += 1
+    second.aborted = StepAbort("ValueError", "bad batch", False, "<root>", "before_pre_forward", {})
+    collector.update(second)
+    collector.update(second)  # the same step twice counts once
+    text = generate_latest(registry).decode()
+    assert value(text, "fsdp_mem_aborted_steps_total", kind="oom") == 1
+    assert value(text, "fsdp_mem_aborted_steps_total", kind="error") == 1
+    assert value(text, "fsdp_mem_last_oom_timestamp_seconds", module="layers.1", state="after_pre_forward") \
+        == first.timestamp
+    for c in CATEGORY_KEYS:
+        assert value(text, "fsdp_mem_last_oom_bytes", device="cpu", category=c) == breakdown["cpu"][c]
+    promtool_check(text)
+
+
 def test_before_first_step_only_health_series() -> None:
     text = exposition(None, Identity("j", 0, 0, 1, "h"))
     assert {s.name for s in samples(text)} == {"fsdp_mem_steps_total", "fsdp_mem_errors_total",
-                                               "fsdp_mem_tracker_overhead_seconds_total", "fsdp_mem_tracker_info"}
+                                               "fsdp_mem_tracker_overhead_seconds_total", "fsdp_mem_tracker_info",
+                                               "fsdp_mem_aborted_steps_total"}
     assert value(text, "fsdp_mem_steps_total") == 0
     promtool_check(text)
 
@@ -247,8 +277,8 @@ def test_collector_emits_exactly_the_catalog() -> None:
 # -- cardinality budget -------------------------------------------------------------------------
 def test_cardinality_budget_100_modules() -> None:
     text = exposition(big_report(100))
-    per_module = [s for s in samples(text) if "module" in s.labels]
-    other = [s for s in samples(text) if "module" not in s.labels]
+    per_module = [s for s in samples(text) if cat.metric(s.name).scope == cat.SCOPE_MODULE]
+    other = [s for s in samples(text) if cat.metric(s.name).scope != cat.SCOPE_MODULE]
     assert len({s.labels["module"] for s in per_module}) == 100
     assert len(per_module) <= cat.MAX_SERIES_PER_MODULE * 100
     assert len(other) <= cat.MAX_OTHER_SERIES
