@@ -117,7 +117,8 @@ ALLOCATED_BYTES = Metric(
 )
 ALLOCATED_PEAK_BYTES = Metric(
     "fsdp_mem_allocator_allocated_peak_bytes", GAUGE, BYTES,
-    "Peak of allocated bytes as the allocator reports it (since process start or its last peak reset).",
+    "Largest allocated bytes during the last step, sampled at every FSDP hook and the step end "
+    "(the allocator's own per-step peak with reset_peaks=True).",
     ("device",), source="allocated_peak_bytes",
 )
 RESERVED_BYTES = Metric(
@@ -127,7 +128,8 @@ RESERVED_BYTES = Metric(
 )
 RESERVED_PEAK_BYTES = Metric(
     "fsdp_mem_allocator_reserved_peak_bytes", GAUGE, BYTES,
-    "Peak of reserved bytes as the allocator reports it (since process start or its last peak reset).",
+    "Largest reserved bytes during the last step, sampled at every FSDP hook and the step end "
+    "(the allocator's own per-step peak with reset_peaks=True).",
     ("device",), source="reserved_peak_bytes",
 )
 ACTIVE_BYTES = Metric(
@@ -137,7 +139,8 @@ ACTIVE_BYTES = Metric(
 )
 ACTIVE_PEAK_BYTES = Metric(
     "fsdp_mem_allocator_active_peak_bytes", GAUGE, BYTES,
-    "Peak of active bytes as the allocator reports it (since process start or its last peak reset).",
+    "Largest active bytes during the last step, sampled at every FSDP hook and the step end "
+    "(the allocator's own per-step peak with reset_peaks=True).",
     ("device",), source="active_peak_bytes",
 )
 INACTIVE_SPLIT_BYTES = Metric(

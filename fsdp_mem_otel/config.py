@@ -13,8 +13,15 @@ ENV_MODE = "FSDP_MEM_OTEL_MODE"  # "light" (default) or "deep"
 ENV_DEEP_EVERY = "FSDP_MEM_OTEL_DEEP_EVERY"  # run every Nth step deep; 0 = never
 ENV_MAX_ERRORS = "FSDP_MEM_OTEL_MAX_ERRORS"  # disable the tracker after this many internal errors
 ENV_ENABLED = "FSDP_MEM_OTEL_ENABLED"  # "0"/"false" turns the tracker into a no-op
+ENV_RESET_PEAKS = "FSDP_MEM_OTEL_RESET_PEAKS"  # "1": reset the CUDA allocator's peak counters each step
 
-_ENV_FIELDS = {ENV_MODE: "mode", ENV_DEEP_EVERY: "deep_every", ENV_MAX_ERRORS: "max_errors", ENV_ENABLED: "enabled"}
+_ENV_FIELDS = {
+    ENV_MODE: "mode",
+    ENV_DEEP_EVERY: "deep_every",
+    ENV_MAX_ERRORS: "max_errors",
+    ENV_ENABLED: "enabled",
+    ENV_RESET_PEAKS: "reset_peaks",
+}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -29,12 +36,16 @@ class TrackerConfig:
         deep_every: with mode="light", run every Nth step (steps N, 2N, ...) deep; 0 = never.
         max_errors: after this many internal errors the tracker detaches itself; 0 = never.
         enabled: False makes attach() a no-op (for switching off by environment).
+        reset_peaks: on CUDA, reset the allocator's peak counters at every step end to report its
+            exact per-step peaks. Off by default: the tracker never touches the user's peaks and
+            reports the maxima it sampled at FSDP hooks instead.
     """
 
     mode: str = "light"
     deep_every: int = 0
     max_errors: int = 100
     enabled: bool = True
+    reset_peaks: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -45,8 +56,9 @@ class TrackerConfig:
                 raise TypeError(f"{name} must be an int >= 0; got {type(value).__name__} {value!r}")
             if value < 0:
                 raise ValueError(f"{name} must be an int >= 0; got {value}")
-        if not isinstance(self.enabled, bool):
-            raise TypeError(f"enabled must be a bool; got {type(self.enabled).__name__}")
+        for name in ("enabled", "reset_peaks"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool; got {type(getattr(self, name)).__name__}")
 
     def is_deep(self, step: int) -> bool:
         """Whether 1-based step ``step`` runs in deep mode."""

@@ -17,6 +17,7 @@ from torch import nn
 
 from fsdp_mem_otel.adapters import make_adapter
 from fsdp_mem_otel.adapters.base import iter_tensors
+from fsdp_mem_otel.allocator import AllocatorProbe
 from fsdp_mem_otel.config import TrackerConfig
 from fsdp_mem_otel.deep import RESIZE_WATCH, DeepMode
 from fsdp_mem_otel.exporters import Exporter
@@ -110,6 +111,7 @@ class FSDPMemoryTracker:
         self.optimizer = optimizer
         self.ledger = Ledger()
         self._adapter = make_adapter(model, self)
+        self._probe = AllocatorProbe(reset_peaks=config.reset_peaks)
         if optimizer is not None:
             _check_optimizer_covers_model(optimizer, model)
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -153,6 +155,10 @@ class FSDPMemoryTracker:
             ]
         self.attached = True
         self.ledger.reset_step()
+        try:
+            self._probe.start()
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
         self._begin_step()
         return self
 
@@ -221,6 +227,7 @@ class FSDPMemoryTracker:
             self._close_open_windows()
             report.peak = self.ledger.step_peak()
             report.current = self.ledger.snapshot()
+            report.allocator = self._probe.step_stats({d: c["total"] for d, c in report.current.items()})
             report.modules = self._modules
             report.tracker_overhead_seconds = self._overhead
         except Exception as exc:  # noqa: BLE001
@@ -374,6 +381,7 @@ class FSDPMemoryTracker:
             ):
                 self._on_recompute(key, state)
             else:
+                self._probe.sample()
                 self.phase = _PHASE_AFTER[state]
                 if state in _CLOSES:
                     self._close_window(key, _CLOSES[state])

@@ -1,0 +1,304 @@
+"""Device allocator statistics for ``StepReport.allocator`` (device -> statistic -> value).
+
+CUDA devices (key ``"cuda:N"``), from ``torch.cuda.memory_stats`` and ``torch.cuda.mem_get_info``:
+
+==========================  ==================================================================
+allocated_bytes             bytes handed out to tensors at the step end
+reserved_bytes              bytes the caching allocator holds from the device (allocated + cached)
+active_bytes                bytes in active blocks (allocated or awaiting a stream sync)
+allocated_peak_bytes        the step's maximum of allocated_bytes (see "Peaks" below)
+reserved_peak_bytes         the step's maximum of reserved_bytes
+active_peak_bytes           the step's maximum of active_bytes
+inactive_split_bytes        inactive, non-releasable bytes of split blocks (fragmentation)
+device_total_bytes          total memory of the device (``mem_get_info()[1]``)
+num_alloc_retries           cudaMalloc failures that flushed the cache and retried (process total)
+num_ooms                    out-of-memory errors raised by the allocator (process total)
+fragmentation_ratio         (reserved - allocated) / reserved; 0 when nothing is reserved
+untracked_bytes             allocated - what the tracker's ledger accounts on that device;
+                            signed: negative means the ledger counts more than the allocator
+                            handed out (memory from another allocator, or a double count)
+==========================  ==================================================================
+
+The host (key ``"cpu"``), on every run: ``resident_bytes`` (the process RSS, from psutil or
+``/proc/self/statm``). ``untracked_bytes`` is not reported for the host: RSS includes the
+interpreter, libraries and allocator caches, so "RSS minus tensors" means nothing useful.
+
+Peaks. The tracker never resets the user's allocator peaks (``torch.cuda.max_memory_allocated``
+and friends belong to the training script) and never empties the cache. So by default the
+``*_peak_bytes`` values are *sampled* maxima: ``AllocatorProbe.sample()`` reads the current
+allocated / reserved / active bytes at every FSDP hook snapshot, and ``step_stats()`` folds in
+the values at the step end; a transient peak between two hooks (inside one module's forward)
+is missed. With ``reset_peaks=True`` the probe instead reports the allocator's own peaks and calls
+``torch.cuda.reset_peak_memory_stats`` at every step end (and at ``start()``), which is exact but
+takes the peak counters away from the user.
+
+The pure arithmetic is in :func:`cuda_stats_from`, which takes a ``memory_stats()`` dict, so it
+is tested on recorded dicts without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+CPU_KEY = "cpu"
+
+# memory_stats() keys read by cuda_stats_from
+_ALLOCATED = "allocated_bytes.all.current"
+_RESERVED = "reserved_bytes.all.current"
+_ACTIVE = "active_bytes.all.current"
+_INACTIVE_SPLIT = "inactive_split_bytes.all.current"
+_ALLOCATED_PEAK = "allocated_bytes.all.peak"
+_RESERVED_PEAK = "reserved_bytes.all.peak"
+_ACTIVE_PEAK = "active_bytes.all.peak"
+_RETRIES = "num_alloc_retries"
+_OOMS = "num_ooms"
+
+#: statistic -> memory_stats() key of the current value, for the three sampled statistics
+SAMPLED: dict[str, str] = {"allocated_bytes": _ALLOCATED, "reserved_bytes": _RESERVED, "active_bytes": _ACTIVE}
+_PEAK_OF = {
+    "allocated_bytes": ("allocated_peak_bytes", _ALLOCATED_PEAK),
+    "reserved_bytes": ("reserved_peak_bytes", _RESERVED_PEAK),
+    "active_bytes": ("active_peak_bytes", _ACTIVE_PEAK),
+}
+
+#: every key a CUDA device's dict may hold
+CUDA_KEYS: tuple[str, ...] = (
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "allocated_peak_bytes",
+    "reserved_peak_bytes",
+    "active_peak_bytes",
+    "inactive_split_bytes",
+    "device_total_bytes",
+    "num_alloc_retries",
+    "num_ooms",
+    "fragmentation_ratio",
+    "untracked_bytes",
+)
+#: every key the host's dict may hold
+CPU_KEYS: tuple[str, ...] = ("resident_bytes",)
+
+
+def cuda_stats_from(
+    memory_stats: Mapping[str, Any],
+    mem_get_info: tuple[int, int] | None,
+    tracked_total: int | None,
+    sampled_max: Mapping[str, int] | None = None,
+    *,
+    allocator_peaks: bool = False,
+) -> dict[str, float]:
+    """One CUDA device's statistics from plain data.
+
+    Args:
+        memory_stats: ``torch.cuda.memory_stats(device)`` (flat keys such as
+            ``"allocated_bytes.all.current"``); missing keys read as 0 (the cudaMallocAsync
+            backend reports some as 0 or not at all).
+        mem_get_info: ``torch.cuda.mem_get_info(device)`` = (free, total); None leaves
+            ``device_total_bytes`` out.
+        tracked_total: bytes the ledger accounts on this device; None leaves ``untracked_bytes`` out.
+        sampled_max: the step's sampled maxima, keys ``allocated_bytes`` / ``reserved_bytes`` /
+            ``active_bytes``; each peak is max(sampled, current at step end).
+        allocator_peaks: report the allocator's own ``*.all.peak`` values instead (only meaningful
+            when peaks are reset at every step, i.e. ``reset_peaks=True``).
+    """
+    allocated = int(memory_stats.get(_ALLOCATED, 0))
+    reserved = int(memory_stats.get(_RESERVED, 0))
+    out: dict[str, float] = {
+        "allocated_bytes": allocated,
+        "reserved_bytes": reserved,
+        "active_bytes": int(memory_stats.get(_ACTIVE, 0)),
+    }
+    sampled = sampled_max or {}
+    for stat, (peak_key, stats_key) in _PEAK_OF.items():
+        if allocator_peaks:
+            out[peak_key] = int(memory_stats.get(stats_key, out[stat]))
+        else:
+            out[peak_key] = max(int(sampled.get(stat, 0)), int(out[stat]))
+    out["inactive_split_bytes"] = int(memory_stats.get(_INACTIVE_SPLIT, 0))
+    if mem_get_info is not None:
+        out["device_total_bytes"] = int(mem_get_info[1])
+    out["num_alloc_retries"] = int(memory_stats.get(_RETRIES, 0))
+    out["num_ooms"] = int(memory_stats.get(_OOMS, 0))
+    out["fragmentation_ratio"] = (reserved - allocated) / reserved if reserved > 0 else 0.0
+    if tracked_total is not None:
+        out["untracked_bytes"] = allocated - int(tracked_total)
+    return out
+
+
+def cuda_activation_estimate(allocated: int, tracked_total: int) -> int:
+    """Light mode on CUDA: bytes allocated beyond what the ledger knows, floored at 0.
+
+    ``tracked_total`` must not itself include the estimate (pass the ledger total without the
+    activation / temp categories). The tracker files the result as activation in forward and as
+    temp in backward.
+    """
+    return max(0, int(allocated) - int(tracked_total))
+
+
+_process: Any = None  # psutil.Process of this process, made on first use
+
+
+def resident_bytes() -> int | None:
+    """Resident set size of this process in bytes (None where it cannot be read)."""
+    try:
+        import psutil
+    except ImportError:
+        psutil = None  # type: ignore[assignment]
+    if psutil is not None:
+        global _process
+        pid = os.getpid()
+        if _process is None or _process.pid != pid:  # re-made after a fork
+            _process = psutil.Process(pid)
+        return int(_process.memory_info().rss)
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cuda_index(device: str | int | torch.device) -> int:
+    if isinstance(device, bool):
+        raise TypeError(f"devices must hold CUDA devices (int, 'cuda:N' or torch.device); got {device!r}")
+    if isinstance(device, int):
+        idx = device
+    else:
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise ValueError(f"devices must hold CUDA devices; got {device!r}")
+        idx = dev.index if dev.index is not None else 0
+    if idx < 0:
+        raise ValueError(f"devices must hold CUDA device indexes >= 0; got {device!r}")
+    return idx
+
+
+class AllocatorProbe:
+    """Reads the device allocator for ``StepReport.allocator``.
+
+    Args:
+        devices: CUDA devices to watch (int, "cuda:N" or torch.device). None (default): the
+            current CUDA device once CUDA is initialized, plus every "cuda:N" the ledger reports
+            to ``step_stats``. Ignored on a machine without CUDA.
+        reset_peaks: report the allocator's own peaks and reset them (``reset_peak_memory_stats``)
+            at every step end. Off by default: the peaks belong to the user's script.
+
+    ``sample()`` is called at every FSDP hook snapshot and costs one ``memory_stats`` C call per
+    watched CUDA device (nothing on CPU, nothing with ``reset_peaks``); ``step_stats()`` once per
+    step. Neither resets the user's peaks (unless ``reset_peaks``) nor empties the cache. Errors
+    propagate: the tracker contains and counts them.
+    """
+
+    def __init__(self, devices: Iterable[str | int | torch.device] | None = None, *, reset_peaks: bool = False) -> None:
+        if not isinstance(reset_peaks, bool):
+            raise TypeError(f"reset_peaks must be a bool; got {type(reset_peaks).__name__}")
+        if devices is not None and isinstance(devices, (str, int, torch.device)):
+            raise TypeError("devices must be an iterable of devices (e.g. [0] or ['cuda:0']), not a single device")
+        self.reset_peaks = reset_peaks
+        self._cuda = torch.cuda.is_available()
+        self._auto = devices is None
+        #: device index -> report key ("cuda:N")
+        self._devices: dict[int, str] = {}
+        if devices is not None:
+            for d in devices:
+                idx = _cuda_index(d)
+                self._devices[idx] = f"cuda:{idx}"
+        #: device key -> statistic -> the step's sampled maximum
+        self._max: dict[str, dict[str, int]] = {}
+        #: device key -> allocated bytes at the last sample (for the light-mode estimate)
+        self.last_allocated: dict[str, int] = {}
+
+    @property
+    def devices(self) -> list[str]:
+        """Keys ("cuda:N") of the CUDA devices watched now."""
+        self._discover()
+        return list(self._devices.values())
+
+    def _discover(self) -> None:
+        if self._auto and not self._devices and self._cuda and torch.cuda.is_initialized():
+            idx = torch.cuda.current_device()
+            self._devices[idx] = f"cuda:{idx}"
+
+    def start(self) -> None:
+        """Begin the first step (the tracker calls this at attach): maxima restart from now."""
+        if not self._cuda:
+            return
+        self._discover()
+        for idx, key in self._devices.items():
+            if self.reset_peaks:
+                torch.cuda.reset_peak_memory_stats(idx)
+            self._max.pop(key, None)
+        self.sample()
+
+    def sample(self) -> None:
+        """Fold the current allocated / reserved / active bytes into the step's maxima."""
+        if not self._cuda or self.reset_peaks:
+            return
+        if not self._devices:
+            self._discover()
+            if not self._devices:
+                return
+        for idx, key in self._devices.items():
+            # The nested dict straight from C: torch.cuda.memory_allocated() would build, flatten
+            # and sort the full flat dict for each of the three values.
+            stats = torch.cuda.memory_stats_as_nested_dict(idx)
+            if not stats:
+                continue
+            allocated = stats["allocated_bytes"]["all"]["current"]
+            reserved = stats["reserved_bytes"]["all"]["current"]
+            active = stats["active_bytes"]["all"]["current"]
+            self.last_allocated[key] = allocated
+            m = self._max.get(key)
+            if m is None:
+                self._max[key] = {"allocated_bytes": allocated, "reserved_bytes": reserved, "active_bytes": active}
+                continue
+            if allocated > m["allocated_bytes"]:
+                m["allocated_bytes"] = allocated
+            if reserved > m["reserved_bytes"]:
+                m["reserved_bytes"] = reserved
+            if active > m["active_bytes"]:
+                m["active_bytes"] = active
+
+    def step_stats(self, tracked_total: Mapping[str, int]) -> dict[str, dict[str, float]]:
+        """Statistics at the step end, device -> statistic -> value; restarts the step maxima.
+
+        ``tracked_total``: device key ("cuda:0", "cpu") -> bytes the ledger accounts there.
+        """
+        out: dict[str, dict[str, float]] = {}
+        if self._cuda:
+            if self._auto:
+                for key in tracked_total:
+                    if key.startswith("cuda"):
+                        idx = _cuda_index(key)
+                        self._devices.setdefault(idx, f"cuda:{idx}")
+            self._discover()
+            if self._devices and torch.cuda.is_initialized():
+                for idx, key in self._devices.items():
+                    stats = torch.cuda.memory_stats(idx)
+                    info: tuple[int, int] | None
+                    try:
+                        free, total = torch.cuda.mem_get_info(idx)
+                        info = (int(free), int(total))
+                    except RuntimeError:  # e.g. a driver that refuses cudaMemGetInfo
+                        info = None
+                    out[key] = cuda_stats_from(
+                        stats,
+                        info,
+                        tracked_total.get(key),
+                        self._max.get(key),
+                        allocator_peaks=self.reset_peaks,
+                    )
+                    if self.reset_peaks:
+                        torch.cuda.reset_peak_memory_stats(idx)
+                    # The next step's maxima start from what is live at its start (= now).
+                    cur = {s: int(stats.get(k, 0)) for s, k in SAMPLED.items()}
+                    self._max[key] = cur
+                    self.last_allocated[key] = cur["allocated_bytes"]
+        rss = resident_bytes()
+        if rss is not None:
+            out[CPU_KEY] = {"resident_bytes": rss}
+        return out

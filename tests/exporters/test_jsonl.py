@@ -1,0 +1,307 @@
+"""JSONL exporter: round trip (hand-built and from a real 2-rank FSDP2 run), rotation, truncated
+lines, I/O faults counted and recovered from, validation, and no torch import."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsdp_mem_otel.exporters import jsonl
+from fsdp_mem_otel.exporters.jsonl import JSONLExporter, read_reports, rotated_files
+from fsdp_mem_otel.model import CATEGORY_KEYS, STATES, ModuleReport, StepAbort, StepReport
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make_report(step: int, rank: int = 0, n_modules: int = 3, aborted: bool = False) -> StepReport:
+    b = {"cuda:0": {c: 1000 * step + i for i, c in enumerate(CATEGORY_KEYS)}}
+    keys = ["<root>"] + [f"layers.{i}" for i in range(n_modules - 1)]
+    mods = {
+        k: ModuleReport({s: [b] for s in STATES}, {s: [1_700_000_000_000_000_000 + step] for s in STATES}) for k in keys
+    }
+    return StepReport(
+        step=step, rank=rank, world_size=2, mode="light", fsdp_version=2, peak=b, modules=mods, module_order=keys,
+        current=b, allocator={"cuda:0": {"allocated_bytes": 5000.0 + step, "fragmentation_ratio": 0.125},
+                              "cpu": {"resident_bytes": 123456789.0}},
+        local_rank=rank, duration_seconds=0.25 + step, tracker_overhead_seconds=0.0625, errors_total=0,
+        timestamp=1_700_000_000.125 + step, start_time_ns=step * 10**9, end_time_ns=step * 10**9 + 5,
+        aborted=StepAbort("OutOfMemoryError", "CUDA out of memory", True, "layers.1", "after_pre_forward", b)
+        if aborted else None,
+    )
+
+
+def export_all(exp: JSONLExporter, reports: list[StepReport]) -> None:
+    for r in reports:
+        exp.export(r)
+    assert exp.flush(10)
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    reports = [make_report(1), make_report(2, aborted=True), make_report(3)]
+    exp = JSONLExporter(path)
+    export_all(exp, reports)
+    lines = path.read_text().splitlines()
+    assert lines == [r.to_json() for r in reports]  # one sorted-key JSON object per line
+    assert all(json.loads(line) == r.to_dict() for line, r in zip(lines, reports, strict=True))
+    assert list(read_reports(path)) == reports
+    assert list(read_reports(str(path))) == reports
+    assert (exp.errors_total, exp.lines_total) == (0, 3)
+    exp.shutdown()
+
+
+def test_each_line_is_on_disk_after_export(tmp_path: Path) -> None:
+    """No user-space buffering: once the writer is past a report, another reader sees it."""
+    path = tmp_path / "run.jsonl"
+    exp = JSONLExporter(path)
+    for step in (1, 2):
+        exp.export(make_report(step))
+        assert exp.flush(10)
+        assert [r.step for r in read_reports(path)] == list(range(1, step + 1))
+    exp.shutdown()
+
+
+def test_appends_to_existing_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    for step in (1, 2):
+        exp = JSONLExporter(path)
+        export_all(exp, [make_report(step)])
+        exp.shutdown()
+    assert [r.step for r in read_reports(path)] == [1, 2]
+
+
+def test_rank_placeholder_and_parent_dirs(tmp_path: Path) -> None:
+    exp = JSONLExporter(tmp_path / "a" / "b" / "rank-{rank}.jsonl")
+    export_all(exp, [make_report(1, rank=3)])
+    exp.shutdown()
+    assert exp.path == str(tmp_path / "a" / "b" / "rank-3.jsonl")
+    assert [r.rank for r in read_reports(exp.path)] == [3]
+
+
+def test_rotation_by_size(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    line = len(make_report(1).to_json()) + 1
+    exp = JSONLExporter(path, max_bytes=int(line * 2.5), backup_count=2)
+    reports = [make_report(s) for s in range(1, 11)]
+    export_all(exp, reports)
+    exp.shutdown()
+    assert sorted(os.listdir(tmp_path)) == ["run.jsonl", "run.jsonl.1", "run.jsonl.2"]
+    for name in os.listdir(tmp_path):
+        assert os.path.getsize(tmp_path / name) <= line * 2.5
+    assert rotated_files(path) == [str(path) + ".2", str(path) + ".1", str(path)]
+    # 2 lines per file: steps 5-6 (.2), 7-8 (.1), 9-10 (base), oldest first
+    assert [r.step for r in read_reports(path)] == [5, 6, 7, 8, 9, 10]
+    assert list(read_reports(path)) == reports[4:]
+    assert [r.step for r in read_reports(str(path) + ".1")] == [7, 8]  # a rotated file alone
+
+
+def test_rotation_without_backups_restarts_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    line = len(make_report(1).to_json()) + 1
+    exp = JSONLExporter(path, max_bytes=int(line * 2.5), backup_count=0)
+    export_all(exp, [make_report(s) for s in range(1, 6)])
+    exp.shutdown()
+    assert os.listdir(tmp_path) == ["run.jsonl"]
+    assert [r.step for r in read_reports(path)] == [5]
+
+
+def test_line_larger_than_cap_gets_own_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    exp = JSONLExporter(path, max_bytes=100, backup_count=5)
+    export_all(exp, [make_report(s) for s in range(1, 4)])
+    exp.shutdown()
+    assert [len(Path(p).read_text().splitlines()) for p in rotated_files(path)] == [1, 1, 1]
+    assert [r.step for r in read_reports(path)] == [1, 2, 3]
+
+
+def test_truncated_last_line_skipped_with_warning(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    exp = JSONLExporter(path)
+    export_all(exp, [make_report(1), make_report(2)])
+    exp.shutdown()
+    with open(path, "a") as f:
+        f.write(make_report(3).to_json()[:200])  # a crash mid-line
+    with pytest.warns(RuntimeWarning, match=r"run\.jsonl:3: skipping truncated last line"):
+        assert [r.step for r in read_reports(path)] == [1, 2]
+    # the next writer terminates the cut line first, so its own lines stay readable
+    exp = JSONLExporter(path)
+    export_all(exp, [make_report(4)])
+    exp.shutdown()
+    with pytest.warns(RuntimeWarning, match=r"run\.jsonl:3: skipping unreadable line"):
+        assert [r.step for r in read_reports(path)] == [1, 2, 4]
+
+
+def test_parent_is_a_file_counted_then_recovers(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Unwritable location (works as root, where chmod does not stop writes)."""
+    blocker = tmp_path / "logs"
+    blocker.write_text("not a directory")
+    exp = JSONLExporter(blocker / "run.jsonl")
+    with caplog.at_level(logging.WARNING, logger="fsdp_mem_otel"):
+        export_all(exp, [make_report(1), make_report(2), make_report(3)])  # never raises
+        assert exp.errors_total == 3 and exp.lines_total == 0
+        blocker.unlink()  # the fault clears
+        export_all(exp, [make_report(4), make_report(5)])
+    assert exp.errors_total == 3 and exp.lines_total == 2
+    assert [r.step for r in read_reports(blocker / "run.jsonl")] == [4, 5]
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1  # logged once per outage
+    assert any("recovered" in r.getMessage() for r in caplog.records)
+    exp.shutdown()
+
+
+class FaultyFile:
+    """A raw file whose writes fail with ENOSPC (after writing part of the line) while ``full``."""
+
+    full = False
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+
+    def write(self, data: memoryview) -> int:
+        if FaultyFile.full:
+            self._f.write(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return int(self._f.write(data))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+def test_disk_full_counted_then_recovers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    real_open = open
+
+    def faulty_open(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        f = real_open(path, mode, *args, **kwargs)
+        return FaultyFile(f) if "a" in mode else f
+
+    monkeypatch.setattr(jsonl, "open", faulty_open, raising=False)
+    monkeypatch.setattr(FaultyFile, "full", False)
+    path = tmp_path / "run.jsonl"
+    exp = JSONLExporter(path)
+    with caplog.at_level(logging.WARNING, logger="fsdp_mem_otel"):
+        export_all(exp, [make_report(1)])
+        FaultyFile.full = True
+        export_all(exp, [make_report(2), make_report(3)])
+        assert exp.errors_total == 2
+        FaultyFile.full = False
+        export_all(exp, [make_report(4)])
+    exp.shutdown()
+    assert exp.errors_total == 2 and exp.lines_total == 2
+    assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
+    with pytest.warns(RuntimeWarning, match="unreadable line"):  # the half-written line of step 2
+        assert [r.step for r in read_reports(path)] == [1, 4]
+
+
+def test_queue_full_drops_and_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = threading.Event()
+    exp = JSONLExporter(tmp_path / "run.jsonl", max_queue=1)
+    real = exp._write_report
+
+    def stalled(report: StepReport) -> None:  # a stuck file system
+        gate.wait(10)
+        real(report)
+
+    monkeypatch.setattr(exp, "_write_report", stalled)
+    for s in range(1, 6):
+        exp.export(make_report(s))  # returns at once even though the writer is stuck
+    assert exp.dropped_total >= 3 and exp.errors_total == exp.dropped_total
+    gate.set()
+    assert exp.flush(10)
+    exp.shutdown()
+    assert exp.lines_total == 5 - exp.dropped_total
+
+
+def test_shutdown_idempotent(tmp_path: Path) -> None:
+    exp = JSONLExporter(tmp_path / "run.jsonl")
+    exp.shutdown()  # before any export: no thread, no file
+    exp.shutdown()
+    assert not (tmp_path / "run.jsonl").exists()
+    exp = JSONLExporter(tmp_path / "run.jsonl")
+    exp.export(make_report(1))
+    exp.shutdown()  # flushes
+    exp.shutdown()
+    exp.export(make_report(2))  # ignored after shutdown
+    assert exp.flush(1)
+    assert [r.step for r in read_reports(tmp_path / "run.jsonl")] == [1]
+    assert exp._thread is not None and not exp._thread.is_alive()
+
+
+def test_validation(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="path"):
+        JSONLExporter(123)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="path"):
+        JSONLExporter("")
+    with pytest.raises(ValueError, match="max_bytes"):
+        JSONLExporter(tmp_path / "x", max_bytes=-1)
+    with pytest.raises(TypeError, match="max_bytes"):
+        JSONLExporter(tmp_path / "x", max_bytes=1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="backup_count"):
+        JSONLExporter(tmp_path / "x", backup_count=True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_queue"):
+        JSONLExporter(tmp_path / "x", max_queue=0)
+    with pytest.raises(ValueError, match="paths"):
+        read_reports()
+    with pytest.raises(TypeError, match=r"paths\[1\]"):
+        read_reports(tmp_path / "x", 5)  # type: ignore[arg-type]
+    with pytest.raises(FileNotFoundError, match="no JSONL file"):
+        read_reports(tmp_path / "missing.jsonl")
+
+
+def test_no_torch_import(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "from fsdp_mem_otel.exporters.jsonl import JSONLExporter, read_reports\n"
+        "from fsdp_mem_otel.model import StepReport\n"
+        "e = JSONLExporter(sys.argv[1])\n"
+        "e.export(StepReport(step=1, rank=0, world_size=1, mode='light', fsdp_version=2, peak={}, modules={}))\n"
+        "e.shutdown()\n"
+        "assert [r.step for r in read_reports(sys.argv[1])] == [1]\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "r.jsonl")], check=True, cwd=REPO, timeout=60)
+
+
+# -- a real 2-rank FSDP2 run -----------------------------------------------------------------------
+def train_with_jsonl(path_template: str) -> list[StepReport]:
+    """Rank side: 3 FSDP2 steps under the tracker with a JSONLExporter; returns step() reports."""
+    import torch.distributed as dist
+
+    from fsdp_mem_otel.demo import WrapOptions, build, make_batch, train_step
+    from fsdp_mem_otel.tracker import FSDPMemoryTracker
+
+    rank = dist.get_rank()
+    model, opt = build(3, 64, WrapOptions(fsdp=2))
+    tracker = FSDPMemoryTracker(model, opt, exporters=[JSONLExporter(path_template.format(rank=rank))])
+    reports = []
+    with tracker:
+        for step in range(3):
+            train_step(model, opt, make_batch(step, 16, 64, rank))
+            reports.append(tracker.step())
+    tracker.close()
+    assert tracker.errors_total == 0
+    return reports
+
+
+def test_real_fsdp2_run_round_trips(tmp_path: Path) -> None:
+    from tests.dist import run_ranks
+
+    template = str(tmp_path / "rank{rank}.jsonl")
+    per_rank = run_ranks(train_with_jsonl, template)
+    for rank, reports in enumerate(per_rank):
+        read = list(read_reports(template.format(rank=rank)))
+        assert len(read) == 3
+        assert read == reports
+        assert [r.to_dict() for r in read] == [r.to_dict() for r in reports]
+        assert [r.rank for r in read] == [rank] * 3 and [r.step for r in read] == [1, 2, 3]
+        assert all(r.modules for r in read)  # real per-module snapshots made the trip
