@@ -195,8 +195,29 @@ def run_demo(argv: list[str] | None = None) -> int:
     return 0
 
 
+def jsonl_path(out: str, rank: int) -> str:
+    """RUN.jsonl -> RUN.rank<rank>.jsonl (a "{rank}" in ``out`` is filled in instead)."""
+    if "{rank}" in out:
+        return out.format(rank=rank)
+    root, ext = os.path.splitext(out)
+    return f"{root}.rank{rank}{ext or '.jsonl'}"
+
+
 def _demo_exporters(args: Any, rank: int, world: int) -> list[Any]:
     exporters: list[Any] = []
+    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        from fsdp_mem_otel.exporters.otel import OTelSpanExporter
+
+        exporters.append(OTelSpanExporter(spans_every=args.deep_every or 1))
+        if rank == 0:
+            print("[rank 0] OpenTelemetry spans to the OTEL_EXPORTER_OTLP_ENDPOINT collector", flush=True)
+    if args.out:
+        from fsdp_mem_otel.exporters.jsonl import JSONLExporter
+
+        exporters.append(JSONLExporter(jsonl_path(args.out, rank)))
+        if rank == 0:
+            paths = ", ".join(jsonl_path(args.out, r) for r in range(world))
+            print(f"[rank 0] step reports as JSON lines: {paths}", flush=True)
     if args.port is not None or args.sidecar_dir:
         from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
 
@@ -225,6 +246,8 @@ def add_demo_args(p: Any) -> None:
                    help="serve Prometheus /metrics per rank on PORT + local rank (default: off)")
     p.add_argument("--sidecar-dir", default=None,
                    help="also write each rank's exposition to DIR/rank-<rank>.prom for `fsdp-mem-otel serve`")
+    p.add_argument("--out", default=None,
+                   help="write every StepReport as JSON lines; RUN.jsonl becomes RUN.rank<N>.jsonl per rank")
 
 
 def _int_at_least(raw: str, low: int, what: str, high: int | None = None) -> int:

@@ -41,13 +41,23 @@ def test_demo_serves_prometheus_per_rank_and_writes_sidecar_files(tmp_path) -> N
     base = free_port()
     sidecar = tmp_path / "metrics"
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = tmp_path / "run.jsonl"
     out = subprocess.run(
         [sys.executable, "-m", "fsdp_mem_otel.cli", "demo", "--steps", "3", "--blocks", "2",
-         "--port", str(base), "--sidecar-dir", str(sidecar)],
+         "--port", str(base), "--sidecar-dir", str(sidecar), "--out", str(run)],
         capture_output=True, text=True, env=env, timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"http://127.0.0.1:{base}/metrics, http://127.0.0.1:{base + 1}/metrics" in out.stdout
+    from fsdp_mem_otel.exporters.jsonl import read_reports
+
     for rank in (0, 1):
         text = (sidecar / f"rank-{rank}.prom").read_text()
         assert 'fsdp_mem_steps_total{' in text and f'rank="{rank}"' in text
+        reports = list(read_reports(tmp_path / f"run.rank{rank}.jsonl"))
+        assert [r.step for r in reports] == [1, 2, 3] and {r.rank for r in reports} == {rank}
+        # the sidecar file shows the last report's numbers
+        assert 'category="total",device="cpu"' in text
+        peak = reports[-1].peak["cpu"]["total"]
+        assert any(line.startswith("fsdp_mem_step_peak_bytes{") and 'category="total"' in line
+                   and line.endswith(f" {float(peak)}") for line in text.splitlines())

@@ -14,7 +14,7 @@ def test_tracker_memory_is_flat_over_a_long_run() -> None:
         for early, late in ((light_early, light_late), (deep_early, deep_late)):
             assert late["step"] - early["step"] >= 0.8 * (LIGHT_STEPS if early["mode"] == "light" else DEEP_STEPS)
             # the tracker's tables do not grow with the number of steps
-            for table in ("ledger", "opt_tensors", "windows", "logged"):
+            for table in ("ledger", "opt_tensors", "windows", "logged", "series"):
                 assert late[table] == early[table], (early["mode"], table, early[table], late[table])
             assert late["errors"] == 0
             # nor does the process: well under what keeping one report per step would cost

@@ -441,12 +441,15 @@ def soak(light_steps: int, deep_steps: int) -> dict[str, Any]:
     """Many steps on a tiny model: the tracker's own tables and the process RSS must stay flat."""
     import psutil
 
+    from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
+
     rank = torch.distributed.get_rank()
     model, opt = build(2, 16, WrapOptions(fsdp=2))
     proc = psutil.Process()
     samples = []
     for mode, steps in (("light", light_steps), ("deep", deep_steps)):
-        tracker = FSDPMemoryTracker(model, opt, mode=mode).attach()
+        exporter = PrometheusExporter(http=False)
+        tracker = FSDPMemoryTracker(model, opt, mode=mode, exporters=[exporter]).attach()
         x = make_batch(0, 4, 16, rank)
         for step in range(steps):
             train_step(model, opt, x, on_inputs=tracker.track_inputs)
@@ -458,6 +461,7 @@ def soak(light_steps: int, deep_steps: int) -> dict[str, Any]:
                     "ledger": len(tracker.ledger), "opt_tensors": len(tracker._opt_tensors),
                     "windows": tracker.ledger.open_windows, "logged": len(tracker._logged_errors),
                     "errors": tracker.errors_total,
+                    "series": sum(len(f.samples) for f in exporter.registry.collect()),
                 })
-        tracker.detach()
+        tracker.close()
     return {"samples": samples}
