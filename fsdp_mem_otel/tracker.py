@@ -138,6 +138,18 @@ class FSDPMemoryTracker:
         self._module_last_state: dict[str, str] = {}
         self._reset_step_state()
 
+    @classmethod
+    def from_env(cls, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> FSDPMemoryTracker:
+        """A tracker configured entirely from the environment: TrackerConfig.from_env() for how
+        to measure, ExportConfig.from_env() (plus the standard OTEL_* variables) for where the
+        reports go. The usual way to switch it on in a torchrun or Kubernetes job."""
+        from fsdp_mem_otel.exporters import build_exporters
+
+        config = TrackerConfig.from_env()
+        tracker = cls(model, optimizer, config=config)  # validate the model before opening ports
+        tracker.exporters = list(build_exporters())
+        return tracker
+
     # -- lifecycle -----------------------------------------------------------------------------
     def attach(self) -> FSDPMemoryTracker:
         """Install hooks; the first step starts now. Calling it twice is a no-op."""

@@ -36,9 +36,7 @@ def test_demo_rejects_bad_options_before_launching() -> None:
 
 
 def test_demo_serves_prometheus_per_rank_and_writes_sidecar_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from tests.dist import free_port
-
-    base = free_port()
+    base = free_port_pair()
     sidecar = tmp_path / "metrics"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     run = tmp_path / "run.jsonl"
@@ -61,3 +59,36 @@ def test_demo_serves_prometheus_per_rank_and_writes_sidecar_files(tmp_path) -> N
         peak = reports[-1].peak["cpu"]["total"]
         assert any(line.startswith("fsdp_mem_step_peak_bytes{") and 'category="total"' in line
                    and line.endswith(f" {float(peak)}") for line in text.splitlines())
+
+
+def test_tracker_from_env_configures_everything(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from fsdp_mem_otel.exporters.jsonl import read_reports
+    from tests import workers
+    from tests.dist import run_ranks
+
+    base = free_port_pair()
+    for rank, res in enumerate(run_ranks(workers.from_env_run, base, str(tmp_path))):
+        assert res["modes"] == ["light", "deep"]
+        assert res["kinds"] == ["JSONLExporter", "PrometheusExporter"]
+        peak_line = [line for line in res["text"].splitlines()
+                     if line.startswith("fsdp_mem_step_peak_bytes{") and 'category="total"' in line]
+        assert len(peak_line) == 1 and 'job_name="envjob"' in peak_line[0] and f'rank="{rank}"' in peak_line[0]
+        assert float(peak_line[0].rsplit(" ", 1)[1]) == res["peak"]
+        assert [r.step for r in read_reports(tmp_path / f"run-{rank}.jsonl")] == [1, 2]
+
+
+def free_port_pair() -> int:
+    """A port p with p and p+1 free (the two ranks' endpoints)."""
+    import socket
+
+    from tests.dist import free_port
+
+    for _ in range(50):
+        p = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+                return p
+            except OSError:
+                continue
+    raise RuntimeError("no two consecutive free ports")

@@ -45,3 +45,24 @@ def test_from_env_reads_and_validates() -> None:
     assert TrackerConfig.from_env({"FSDP_MEM_OTEL_MODE": "deep"}, mode="light").mode == "light"
     with pytest.raises(TypeError, match="unknown config field 'colour'"):
         TrackerConfig.from_env({}, colour="red")
+
+
+def test_export_config_from_env_and_validation(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from fsdp_mem_otel.config import ExportConfig
+
+    cfg = ExportConfig.from_env({
+        "FSDP_MEM_OTEL_PROMETHEUS_PORT": "9500", "FSDP_MEM_OTEL_SIDECAR_DIR": "/tmp/x",
+        "FSDP_MEM_OTEL_JSONL": "run-{rank}.jsonl", "FSDP_MEM_OTEL_DETAIL": "yes", "FSDP_MEM_OTEL_PROMETHEUS": "0",
+    })
+    assert (cfg.prometheus_port, cfg.sidecar_dir, cfg.jsonl, cfg.detail, cfg.prometheus) == \
+        (9500, "/tmp/x", "run-{rank}.jsonl", True, False)
+    with pytest.raises(ValueError, match="FSDP_MEM_OTEL_PROMETHEUS_PORT must be an integer"):
+        ExportConfig.from_env({"FSDP_MEM_OTEL_PROMETHEUS_PORT": "http"})
+    with pytest.raises(ValueError, match="prometheus_port must be an integer in 1..65535"):
+        ExportConfig.from_env({"FSDP_MEM_OTEL_PROMETHEUS_PORT": "70000"})
+    with pytest.raises(ValueError, match="tls_certfile and tls_keyfile go together"):
+        ExportConfig(tls_certfile="a.pem")
+    with pytest.raises(ValueError, match="tls_certfile: no such file"):
+        ExportConfig(tls_certfile=str(tmp_path / "missing.pem"), tls_keyfile=str(tmp_path / "k.pem"))
+    with pytest.raises(ValueError, match="spans_every must be an integer >= 1"):
+        ExportConfig(spans_every=0)

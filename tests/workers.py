@@ -465,3 +465,29 @@ def soak(light_steps: int, deep_steps: int) -> dict[str, Any]:
                 })
         tracker.close()
     return {"samples": samples}
+
+
+def from_env_run(base_port: int, directory: str) -> dict[str, Any]:
+    """FSDPMemoryTracker.from_env() in a job configured only through environment variables."""
+    import os
+    import urllib.request
+
+    rank = torch.distributed.get_rank()
+    os.environ.update({
+        "FSDP_MEM_OTEL_MODE": "light", "FSDP_MEM_OTEL_DEEP_EVERY": "2", "FSDP_MEM_OTEL_JOB": "envjob",
+        "FSDP_MEM_OTEL_PROMETHEUS_PORT": str(base_port), "FSDP_MEM_OTEL_PROMETHEUS_ADDR": "127.0.0.1",
+        "FSDP_MEM_OTEL_JSONL": os.path.join(directory, "run-{rank}.jsonl"),
+    })
+    model, opt = build(BLOCKS, WIDTH, WrapOptions(fsdp=2))
+    tracker = FSDPMemoryTracker.from_env(model, opt)
+    reports = []
+    with tracker:
+        for step in range(2):
+            train_step(model, opt, make_batch(step, BATCH, WIDTH, rank))
+            reports.append(tracker.step().to_dict())
+        torch.distributed.barrier()
+        with urllib.request.urlopen(f"http://127.0.0.1:{base_port + rank}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    tracker.close()
+    return {"modes": [r["mode"] for r in reports], "peak": reports[-1]["peak"]["cpu"]["total"], "text": text,
+            "kinds": sorted(type(e).__name__ for e in tracker.exporters)}

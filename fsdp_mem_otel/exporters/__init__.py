@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from fsdp_mem_otel.config import ExportConfig
+from fsdp_mem_otel.identity import Identity
 from fsdp_mem_otel.model import StepReport
 
 
@@ -21,3 +23,34 @@ class Exporter(Protocol):
 
     def shutdown(self) -> None:
         """Flush and release resources. Safe to call twice."""
+
+
+def build_exporters(config: ExportConfig | None = None, identity: Identity | None = None) -> list[Exporter]:
+    """The exporters ``config`` (default: ``ExportConfig.from_env()``) asks for.
+
+    Prometheus per rank unless switched off; the sidecar file, JSON lines and OpenTelemetry spans
+    when configured (spans: when an OTLP endpoint is set in the standard OTEL_* variables).
+    """
+    config = ExportConfig.from_env() if config is None else config
+    identity = Identity.from_env() if identity is None else identity
+    out: list[Exporter] = []
+    if config.prometheus or config.sidecar_dir:
+        from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
+
+        out.append(PrometheusExporter(
+            identity, base_port=config.prometheus_port, addr=config.prometheus_addr,
+            certfile=config.tls_certfile, keyfile=config.tls_keyfile, client_cafile=config.tls_client_cafile,
+            detail=config.detail, sidecar_dir=config.sidecar_dir, http=config.prometheus,
+        ))
+    if config.jsonl:
+        from fsdp_mem_otel.exporters.jsonl import JSONLExporter
+
+        out.append(JSONLExporter(config.jsonl.replace("{rank}", str(identity.rank))))
+    from fsdp_mem_otel.exporters.otel import default_span_exporter
+
+    span_exporter = default_span_exporter()
+    if span_exporter is not None:
+        from fsdp_mem_otel.exporters.otel import OTelSpanExporter
+
+        out.append(OTelSpanExporter(identity, span_exporter=span_exporter, spans_every=config.spans_every))
+    return out
