@@ -13,6 +13,7 @@ USAGE = """usage: fsdp-mem-otel COMMAND [options]
 commands:
   demo    run a real 2-rank FSDP training on CPU with the tracker; print per-module tables
   serve   serve every rank's sidecar exposition files from one /metrics endpoint
+  rules   write the Prometheus alert/recording rules, PrometheusRule and dashboard ConfigMaps
 
 `fsdp-mem-otel COMMAND --help` for a command's options."""
 
@@ -49,7 +50,13 @@ def serve(argv: Sequence[str]) -> int:
     return serve_main(argv)
 
 
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"demo": demo, "serve": serve}
+def rules(argv: Sequence[str]) -> int:
+    from fsdp_mem_otel.alerts import rules_main
+
+    return rules_main(list(argv))
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"demo": demo, "serve": serve, "rules": rules}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
