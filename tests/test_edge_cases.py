@@ -25,3 +25,13 @@ def test_edge_cases(fsdp: int) -> None:
         report = StepReport.from_dict(json.loads(json.dumps(res["report"])))
         assert report.step == 3 and sorted(report.modules) == expected
         assert res["errors"] == 0
+        # an optimizer over parameters of another model: a clear error
+        assert "optimizer does not optimize any parameter of model" in res["foreign_error"]
+
+
+def test_no_tensor_data_leaves_the_process(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    needle = repr(workers.SENTINEL)[2:9]  # "1234567": any rendering of the sentinel value
+    for res in run_ranks(workers.no_tensor_data, str(tmp_path)):
+        for exporter, text in res.items():
+            assert text, exporter  # each exporter did emit
+            assert needle not in text, exporter

@@ -185,9 +185,11 @@ def containment(opts_dict: dict[str, Any]) -> dict[str, Any]:
 
     logging.getLogger("fsdp_mem_otel").addHandler(Keep())
     losses = {}
+    flaky_exporter, recorder = _FlakyExporter(fail_steps=2), _Recorder()
     for tracked in (False, True):
         model, opt = build(BLOCKS, WIDTH, WrapOptions(**opts_dict))
-        tracker = FSDPMemoryTracker(model, opt, mode="light", deep_every=2) if tracked else None
+        tracker = FSDPMemoryTracker(model, opt, mode="light", deep_every=2,
+                                    exporters=[flaky_exporter, recorder]) if tracked else None
         if tracker is not None:
             tracker.attach()
             tracker.ledger.snapshot = _flaky(tracker.ledger.snapshot)  # type: ignore[method-assign]
@@ -205,8 +207,39 @@ def containment(opts_dict: dict[str, Any]) -> dict[str, Any]:
         "untracked": losses[False],
         "tracked": losses[True],
         "errors_total": errors,
-        "logged": sum(1 for r in records if "injected" in str(r.msg % r.args if r.args else r.msg)),
+        "logged": sum(1 for r in records if "injected tracker failure" in str(r.msg % r.args if r.args else r.msg)),
+        "exporter_logged": sum(1 for r in records if "exporter fault" in str(r.msg % r.args if r.args else r.msg)),
+        "flaky_received": flaky_exporter.received,
+        "recorded_steps": recorder.steps,
     }
+
+
+class _FlakyExporter:
+    """Raises for its first ``fail_steps`` reports, then works (the fault clears)."""
+
+    def __init__(self, fail_steps: int) -> None:
+        self.fail_steps = fail_steps
+        self.received: list[int] = []
+
+    def export(self, report: Any) -> None:
+        if len(self.received) < self.fail_steps:
+            self.received.append(-report.step)
+            raise RuntimeError("exporter fault (injected)")
+        self.received.append(report.step)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def export(self, report: Any) -> None:
+        self.steps.append(report.step)
+
+    def shutdown(self) -> None:
+        pass
 
 
 def _flaky(real: Any) -> Any:
@@ -409,6 +442,11 @@ def edge_cases(fsdp: int) -> dict[str, Any]:
         model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
                                          device_id=torch.device("cpu"))
     opt = torch.optim.Adam(model.parameters())
+    foreign_error = ""
+    try:
+        FSDPMemoryTracker(model, torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    except ValueError as exc:
+        foreign_error = str(exc)
     tracker = FSDPMemoryTracker(model, opt).attach()
     empty1 = tracker.step().to_dict()
     empty2 = tracker.step().to_dict()
@@ -434,6 +472,7 @@ def edge_cases(fsdp: int) -> dict[str, Any]:
         "json_keys": sorted(json.loads(text)["modules"]),
         "report": report.to_dict(),
         "errors": tracker.errors_total,
+        "foreign_error": foreign_error,
     }
 
 
@@ -491,3 +530,41 @@ def from_env_run(base_port: int, directory: str) -> dict[str, Any]:
     tracker.close()
     return {"modes": [r["mode"] for r in reports], "peak": reports[-1]["peak"]["cpu"]["total"], "text": text,
             "kinds": sorted(type(e).__name__ for e in tracker.exporters)}
+
+
+SENTINEL = 0.123456789
+
+
+def no_tensor_data(directory: str) -> dict[str, Any]:
+    """Parameters and inputs all hold SENTINEL; return what every exporter emitted, as text."""
+    import os
+
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from fsdp_mem_otel.exporters.jsonl import JSONLExporter
+    from fsdp_mem_otel.exporters.otel import OTelSpanExporter
+    from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
+
+    rank = torch.distributed.get_rank()
+    model, _ = build(BLOCKS, WIDTH, WrapOptions(fsdp=2))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(SENTINEL)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    spans = InMemorySpanExporter()
+    prom = PrometheusExporter(http=False, detail=True)
+    path = os.path.join(directory, f"rank{rank}.jsonl")
+    jsonl = JSONLExporter(path)
+    otel = OTelSpanExporter(span_exporter=spans)
+    tracker = FSDPMemoryTracker(model, opt, mode="deep", exporters=[prom, jsonl, otel])
+    with tracker:
+        x = torch.full((BATCH, WIDTH), SENTINEL)
+        train_step(model, opt, x, on_inputs=tracker.track_inputs)
+        tracker.step()
+    tracker.close()
+    from prometheus_client import generate_latest
+
+    span_text = "\n".join(s.to_json() for s in spans.get_finished_spans())
+    with open(path) as f:
+        jsonl_text = f.read()
+    return {"prometheus": generate_latest(prom.registry).decode(), "spans": span_text, "jsonl": jsonl_text}
