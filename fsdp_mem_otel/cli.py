@@ -14,6 +14,7 @@ commands:
   demo    run a real 2-rank FSDP training on CPU with the tracker; print per-module tables
   serve   serve every rank's sidecar exposition files from one /metrics endpoint
   rules   write the Prometheus alert/recording rules, PrometheusRule and dashboard ConfigMaps
+  dashboards  write the Grafana dashboards (JSON) built from the metric catalog
 
 `fsdp-mem-otel COMMAND --help` for a command's options."""
 
@@ -56,7 +57,15 @@ def rules(argv: Sequence[str]) -> int:
     return rules_main(list(argv))
 
 
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"demo": demo, "serve": serve, "rules": rules}
+def dashboards(argv: Sequence[str]) -> int:
+    from fsdp_mem_otel.dashboards import dashboards_main
+
+    return dashboards_main(list(argv))
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
+    "demo": demo, "serve": serve, "rules": rules, "dashboards": dashboards,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,3 +18,9 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test]"
+# TypeScript and @grafana/schema (pinned in the lockfile) to type-check the dashboards.
+if command -v npm >/dev/null 2>&1; then
+  npm ci --prefix tools/grafana-schema --no-audit --no-fund --silent
+else
+  echo "setup: npm not found; the dashboard type-check test will fail (install Debian's nodejs and npm)" >&2
+fi
