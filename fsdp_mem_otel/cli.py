@@ -15,6 +15,7 @@ commands:
   serve   serve every rank's sidecar exposition files from one /metrics endpoint
   rules   write the Prometheus alert/recording rules, PrometheusRule and dashboard ConfigMaps
   dashboards  write the Grafana dashboards (JSON) built from the metric catalog
+  report  turn JSONL step reports into one self-contained HTML page
 
 `fsdp-mem-otel COMMAND --help` for a command's options."""
 
@@ -63,8 +64,14 @@ def dashboards(argv: Sequence[str]) -> int:
     return dashboards_main(list(argv))
 
 
+def report(argv: Sequence[str]) -> int:
+    from fsdp_mem_otel.report import report_main
+
+    return report_main(list(argv))
+
+
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
-    "demo": demo, "serve": serve, "rules": rules, "dashboards": dashboards,
+    "demo": demo, "serve": serve, "rules": rules, "dashboards": dashboards, "report": report,
 }
 
 

@@ -190,6 +190,9 @@ def run_demo(argv: list[str] | None = None) -> int:
             print()
             print(module_table(rep))
         print(f"\ntracker errors: {tracker.errors_total}")
+        if args.out:
+            files = " ".join(jsonl_path(args.out, r) for r in range(world))
+            print(f"\nTo see this run as pictures: fsdp-mem-otel report {files} -o report.html", flush=True)
     tracker.close()
     dist.destroy_process_group()
     return 0

@@ -3,14 +3,16 @@
 # CUDA build) and this package with its test extras. Safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# promtool and the Prometheus server (Debian's prometheus package) for the exposition and
-# live-Prometheus tests; openssl makes the TLS test certificates.
-if ! command -v promtool >/dev/null 2>&1 || ! command -v openssl >/dev/null 2>&1; then
+# Debian packages the tests use: prometheus (promtool and the server, for the exposition and
+# live-Prometheus tests), openssl (TLS test certificates), chromium (renders the HTML report).
+if ! command -v promtool >/dev/null 2>&1 || ! command -v openssl >/dev/null 2>&1 \
+    || ! command -v chromium >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus openssl >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      prometheus openssl chromium fonts-dejavu-core >/dev/null
   else
-    echo "setup: install Debian's prometheus and openssl packages (promtool, openssl) for the tests" >&2
+    echo "setup: install Debian's prometheus, openssl and chromium packages for the tests" >&2
   fi
 fi
 PY=${PYTHON:-python3}

@@ -49,6 +49,7 @@ def test_demo_serves_prometheus_per_rank_and_writes_sidecar_files(tmp_path) -> N
     assert f"http://127.0.0.1:{base}/metrics, http://127.0.0.1:{base + 1}/metrics" in out.stdout
     from fsdp_mem_otel.exporters.jsonl import read_reports
 
+    assert f"fsdp-mem-otel report {tmp_path}/run.rank0.jsonl {tmp_path}/run.rank1.jsonl -o report.html" in out.stdout
     for rank in (0, 1):
         text = (sidecar / f"rank-{rank}.prom").read_text()
         assert 'fsdp_mem_steps_total{' in text and f'rank="{rank}"' in text

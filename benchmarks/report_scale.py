@@ -1,0 +1,141 @@
+"""Scale benchmark for ``fsdp-mem-otel report``: a synthetic large run, then the command, timed.
+
+Writes one JSONL file per rank in the exporter's exact format (``StepReport.to_dict()``, sorted
+keys, one line per step): every step carries a full module breakdown (each module x 10 FSDP states
+x 12 categories on ``cuda:<rank>``, with times), every ``--deep-every``-th step is deep, and a few
+steps per rank are aborted by an injected OOM. Then it runs ``python -m fsdp_mem_otel.report`` on
+them in a subprocess (so import time counts) and prints the page size and wall time.
+
+    python benchmarks/report_scale.py                       # 10,000 steps x 100 modules x 8 ranks
+    python benchmarks/report_scale.py --steps 1000 --ranks 2 --modules 20   # a quick one
+
+At full size the JSONL set is large (about 3.3 GB per rank, 26 GB in all: each line holds ~330 KB
+of module snapshots), so the temp directory needs that much free space; ``--dir`` picks where.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from fsdp_mem_otel.model import CATEGORIES, STATES, TOTAL, ModuleReport, StepAbort, StepReport  # noqa: E402
+
+STATE_LIST = [s for s in STATES if not s.endswith("_ac")]  # the 10 states a plain FSDP module reaches
+GIB = 1 << 30
+VARIANTS = 4
+
+
+def breakdown(dev: str, base: int, act: int, extra: int) -> dict[str, dict[str, int]]:
+    cats = dict.fromkeys(CATEGORIES, 0)
+    cats.update(sharded_param=base, sharded_grad=base // 2, optimizer_state=2 * base, activation=act,
+                all_gather=extra, unsharded_param=extra, inputs=1 << 20)
+    cats[TOTAL] = sum(cats.values())
+    return {dev: cats}
+
+
+def modules_blob(rank: int, n_modules: int, variant: int) -> tuple[str, list[str]]:
+    """The ``"modules"`` JSON text of one step (exactly as json.dumps(sort_keys=True) writes it)."""
+    dev = f"cuda:{rank}"
+    keys = ["<root>"] + [f"layers.{i}" for i in range(n_modules - 1)]
+    base = 4 * GIB + rank * 64 * (1 << 20)
+    t0 = 1_790_000_000_000_000_000
+    mods = {}
+    for i, key in enumerate(keys):
+        snaps: dict[str, list[dict[str, dict[str, int]]]] = {}
+        times: dict[str, list[int]] = {}
+        for k, state in enumerate(STATE_LIST):
+            fwd = k < 4 or state == "peak_forward"
+            act = (i + 1 if fwd else n_modules - i) * (40 << 20) * (1 + variant % 3)
+            extra = (256 << 20) if state.startswith("after_pre") or state.startswith("peak") else 0
+            snaps[state] = [breakdown(dev, base, act, extra)]
+            t = t0 + (i * 1000 + k if fwd else 10**9 + (n_modules - i) * 1000 + k)
+            times[state] = [t]
+        mods[key] = ModuleReport(snaps, times).to_dict()
+    return json.dumps(mods, sort_keys=True), keys
+
+
+def write_rank(path: Path, rank: int, ranks: int, steps: int, n_modules: int, deep_every: int,
+               aborted: set[int]) -> None:
+    blobs = [modules_blob(rank, n_modules, v) for v in range(VARIANTS)]
+    keys = blobs[0][1]
+    dev = f"cuda:{rank}"
+    seed = 12345 + rank
+    with open(path, "w", buffering=16 << 20) as f:
+        for step in range(1, steps + 1):
+            seed = (seed * 1103515245 + 12345) & 0x7FFFFFFF
+            jitter = seed % (512 << 20)
+            act = (8 * GIB if step % 97 else 12 * GIB) + jitter + rank * (128 << 20)
+            peak = breakdown(dev, 4 * GIB, act, 1 * GIB)
+            total = peak[dev][TOTAL]
+            abort = None
+            if step in aborted:
+                abort = StepAbort("OutOfMemoryError", "CUDA out of memory. Tried to allocate 2.00 GiB", True,
+                                  f"layers.{n_modules // 2}", "after_pre_backward", peak)
+            report = StepReport(
+                step=step, rank=rank, world_size=ranks, mode="deep" if deep_every and step % deep_every == 0
+                else "light", fsdp_version=2, peak=peak, modules={}, module_order=keys, current=peak,
+                allocator={dev: {"allocated_bytes": float(total - (1 << 30)), "reserved_bytes": float(total + GIB),
+                                 "allocated_peak_bytes": float(total + (64 << 20)),
+                                 "reserved_peak_bytes": float(total + GIB + (256 << 20)),
+                                 "fragmentation_ratio": 0.05, "device_total_bytes": 80.0 * GIB},
+                           "cpu": {"resident_bytes": float(12 * GIB)}},
+                local_rank=rank, duration_seconds=0.5, tracker_overhead_seconds=0.001, timestamp=1.79e9 + step,
+                start_time_ns=step * 10**9, end_time_ns=step * 10**9 + 5 * 10**8, aborted=abort,
+            )
+            d = report.to_dict()
+            d["modules"] = "@MODULES@"
+            line = json.dumps(d, sort_keys=True).replace('"@MODULES@"', blobs[step % VARIANTS][0], 1)
+            f.write(line + "\n")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=10_000)
+    p.add_argument("--modules", type=int, default=100)
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--deep-every", type=int, default=10, help="every Nth step deep (default 10)")
+    p.add_argument("--dir", default=None, help="where to write the JSONL set (default: a new temp dir, removed)")
+    p.add_argument("--keep", action="store_true", help="keep the JSONL set and the page")
+    args = p.parse_args()
+    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="report_scale_"))
+    work.mkdir(parents=True, exist_ok=True)
+    aborted = {args.steps // 3, args.steps // 2, args.steps - 5}
+    try:
+        t0 = time.perf_counter()
+        files = []
+        for rank in range(args.ranks):
+            path = work / f"run.rank{rank}.jsonl"
+            write_rank(path, rank, args.ranks, args.steps, args.modules, args.deep_every, aborted)
+            files.append(str(path))
+            print(f"generated {path} ({path.stat().st_size / 1e9:.2f} GB)", flush=True)
+        data_bytes = sum(os.path.getsize(f) for f in files)
+        print(f"generated {args.steps} steps x {args.modules} modules x {args.ranks} ranks: "
+              f"{data_bytes / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
+        out = work / "report.html"
+        cmd = [sys.executable, "-m", "fsdp_mem_otel.report", *files, "-o", str(out)]
+        t1 = time.perf_counter()
+        subprocess.run(cmd, check=True, cwd=REPO)
+        seconds = time.perf_counter() - t1
+        size = out.stat().st_size
+        print(f"report: {size / 1e6:.1f} MB page in {seconds:.1f} s "
+              f"({args.steps} steps x {args.modules} modules x {args.ranks} ranks, {data_bytes / 1e9:.1f} GB JSONL)")
+        ok = size < 20e6 and seconds < 30
+        print("PASS (under 20 MB and 30 s)" if ok else "FAIL (goal: under 20 MB and 30 s)")
+        return 0 if ok else 1
+    finally:
+        if not args.keep and not args.dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,874 @@
+"""``fsdp-mem-otel report``: JSONL step reports -> one self-contained HTML page of charts.
+
+Drawn with plotly (plotly.py builds the figures, plotly.js draws them in the browser); the page
+inlines plotly.js and its own CSS once, so it opens offline and can be attached to a ticket.
+Does not import torch.
+
+What the page shows (each chart is a function taking StepReports, so tests feed synthetic ones):
+
+* :func:`step_figure` - per step, the step peak stacked by category (the rank's main device: the
+  CUDA device it trained on, else ``cpu``), with the allocator's allocated / reserved bytes (their
+  sampled step peaks where reported; on the host, resident memory) as lines on the same axis.
+  Deep steps carry a diamond, aborted steps (OOM or another exception) a red cross whose hover
+  says in which module and state they stopped. A menu switches between ranks.
+* :func:`module_figure` - one step of one rank: every module snapshot in execution order (sorted
+  by the snapshot times: forward, then backward), stacked by category; the picture upstream
+  FSDPMemTracker's tables give in numbers. Drawn for the selected step (``--step``, default the
+  last) and for the step with the highest peak. An aborted step ends in a red bar: the live
+  bytes at the moment it stopped, labelled with module and state.
+* :func:`heatmap_figure` - rank x module, each module's peak (largest total over its states and
+  calls) at the highest-peak step and at the selected step, same step number on every rank.
+* :func:`skew_figure` - per step, max - min of the step peak across ranks.
+
+Downsampling (:func:`downsample`): a per-step series with at most ``max_points`` steps (default
+2000) is drawn whole. A longer one is cut into ``max_points`` equal runs of consecutive steps;
+each run is drawn by its highest-peak step, and every deep or aborted step is drawn as well.
+Every plotted point is one real step (the stack adds up to that step's peak, the allocator lines
+are that step's values), and the run's maximum is always among them. Module views and heatmaps
+read module detail only for the few selected steps.
+
+Reading large runs: a line is ``StepReport.to_dict()`` with sorted keys, and nearly all of its
+bytes are in ``modules``. :func:`scan_files` parses only the step-level fields around it (the
+text before ``"module_order"`` and from the last ``"peak"``), remembers where each line is, and
+:class:`RunIndex` re-reads the complete line of a step only when a chart needs its modules. A
+line that does not split that way is parsed whole; one that does not parse is skipped with a
+warning, like ``read_reports``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fsdp_mem_otel.exporters.jsonl import rotated_files
+from fsdp_mem_otel.model import CATEGORIES, DEEP, STATES, TOTAL, StepReport
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
+
+DEFAULT_MAX_POINTS = 2000
+#: category -> colour (plotly's qualitative palettes, fixed so pages compare side by side)
+CATEGORY_COLORS: dict[str, str] = dict(
+    zip(
+        CATEGORIES,
+        ("#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692", "#B6E880",
+         "#FF97FF", "#FECB52", "#8C564B"),
+        strict=True,
+    )
+)
+DEEP_COLOR = "#6A0DAD"
+ABORT_COLOR = "#D62728"
+_UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
+_PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
+_FWD = frozenset(STATES[:4]) | {"pre_forward_ac", "post_forward_ac", "peak_forward"}
+
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def _plotly() -> Any:
+    try:
+        import plotly.graph_objects as go_mod
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise RuntimeError(
+            "fsdp-mem-otel report needs plotly: pip install 'fsdp-mem-otel[report]'"
+        ) from exc
+    return go_mod
+
+
+# -- data ----------------------------------------------------------------------------------------
+def main_device(reports: Iterable[StepReport]) -> str:
+    """The device a rank's charts show: the non-host device with the largest peak, else "cpu"."""
+    best: dict[str, int] = {}
+    for r in reports:
+        for dev, cats in r.peak.items():
+            best[dev] = max(best.get(dev, 0), int(cats.get(TOTAL, 0)))
+    accel = {d: v for d, v in best.items() if d != "cpu"}
+    if accel:
+        return max(sorted(accel), key=lambda d: accel[d])
+    return "cpu" if "cpu" in best or not best else max(sorted(best), key=lambda d: best[d])
+
+
+def step_peak(report: StepReport, device: str) -> int:
+    return int(report.peak.get(device, {}).get(TOTAL, 0))
+
+
+def allocator_series(device: str) -> tuple[tuple[str, str], ...]:
+    """(label, allocator key) pairs drawn for ``device``, first present wins per label."""
+    if device == "cpu":
+        return (("resident (RSS)", "resident_bytes"),)
+    return (("allocator reserved", "reserved_peak_bytes|reserved_bytes"),
+            ("allocator allocated", "allocated_peak_bytes|allocated_bytes"))
+
+
+def allocator_value(report: StepReport, device: str, keys: str) -> float | None:
+    stats = report.allocator.get(device, {})
+    for key in keys.split("|"):
+        if key in stats:
+            return float(stats[key])
+    return None
+
+
+def downsample(peaks: Sequence[float], keep: Sequence[bool], max_points: int) -> list[int]:
+    """Indices to draw: all when ``len(peaks) <= max_points``; else, out of ``max_points`` equal
+    runs of consecutive indices, the index of each run's largest value (first on ties), plus
+    every index where ``keep`` is true. Sorted; always holds the overall maximum."""
+    n = len(peaks)
+    if max_points < 1:
+        raise ValueError(f"max_points must be >= 1; got {max_points}")
+    if n <= max_points:
+        return list(range(n))
+    chosen = {i for i in range(n) if keep[i]}
+    for b in range(max_points):
+        lo, hi = n * b // max_points, n * (b + 1) // max_points
+        if hi > lo:
+            chosen.add(max(range(lo, hi), key=lambda i: (peaks[i], -i)))
+    return sorted(chosen)
+
+
+@dataclass
+class _Where:
+    path: str
+    start: int
+    end: int
+
+
+@dataclass
+class RunIndex:
+    """Step reports by rank (sorted by step); ``full(rank, step)`` gives one with its modules.
+
+    Built from complete reports (``RunIndex.of(reports)``) or by :func:`scan_files`, whose
+    reports carry step-level fields only and whose modules are read back from the file on demand.
+    A (rank, step) seen twice keeps the later report (counted in ``duplicates``).
+    """
+
+    by_rank: dict[int, list[StepReport]]
+    duplicates: int = 0
+    _where: dict[tuple[int, int], _Where] = field(default_factory=dict)
+    _cache: dict[tuple[int, int], StepReport | None] = field(default_factory=dict)
+    _devices: dict[int, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, reports: Iterable[StepReport], where: dict[int, _Where] | None = None) -> RunIndex:
+        latest: dict[tuple[int, int], StepReport] = {}
+        locs: dict[tuple[int, int], _Where] = {}
+        dup = 0
+        for i, r in enumerate(reports):
+            key = (r.rank, r.step)
+            if key in latest:
+                dup += 1
+            latest[key] = r
+            if where is not None and i in where:
+                locs[key] = where[i]
+        by_rank: dict[int, list[StepReport]] = {}
+        for (rank, _), r in sorted(latest.items()):
+            by_rank.setdefault(rank, []).append(r)
+        return cls(by_rank, dup, locs)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.by_rank)
+
+    def get(self, rank: int, step: int) -> StepReport | None:
+        for r in self.by_rank.get(rank, []):
+            if r.step == step:
+                return r
+        return None
+
+    def device(self, rank: int) -> str:
+        """The rank's main device (see :func:`main_device`)."""
+        if rank not in self._devices:
+            self._devices[rank] = main_device(self.by_rank.get(rank, []))
+        return self._devices[rank]
+
+    def full(self, rank: int, step: int) -> StepReport | None:
+        """The report of ``step`` on ``rank`` with its module snapshots (None if absent)."""
+        key = (rank, step)
+        if key in self._cache:
+            return self._cache[key]
+        loc = self._where.get(key)
+        report = self.get(rank, step) if loc is None else _read_line(loc)
+        self._cache[key] = report
+        return report
+
+
+def _read_line(loc: _Where) -> StepReport | None:
+    with open(loc.path, "rb") as f:
+        f.seek(loc.start)
+        raw = f.read(loc.end - loc.start)
+    try:
+        return StepReport.from_dict(json.loads(raw))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        warnings.warn(f"{loc.path}: line at byte {loc.start} does not parse ({exc})", RuntimeWarning, stacklevel=2)
+        return None
+
+
+_HEAD_END = b'"module_order": '
+_MODULES = b'"modules": '
+_TAIL_START = b'"peak": '
+
+
+def _summary(buf: Any, start: int, end: int) -> StepReport:
+    """Step-level fields of the line buf[start:end]; its modules are left out (see module doc)."""
+    i = buf.find(_MODULES, start, end)
+    j = buf.rfind(_TAIL_START, start, end)
+    if 0 <= i < j:
+        h = buf.find(_HEAD_END, start, i)
+        head = buf[start : h if h >= 0 else i]
+        try:
+            data = json.loads(head + buf[j:end])
+            data["modules"] = {}
+            return StepReport.from_dict(data)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            pass  # not the exporter's layout: parse it whole
+    data = json.loads(buf[start:end])
+    data["modules"], data["module_order"] = {}, []
+    return StepReport.from_dict(data)
+
+
+#: files at least this large (in all) are read by worker processes, two files at a time
+PARALLEL_BYTES = 256 * 1024 * 1024
+_CHUNK = 16 * 1024 * 1024
+
+
+def scan_files(paths: Sequence[str], progress: Progress = _quiet, workers: int | None = None) -> RunIndex:
+    """Read the step-level fields of every report in ``paths`` (each with its rotated
+    predecessors, oldest first, as ``read_reports`` does). Raises FileNotFoundError for a path
+    with no file and ValueError for one without a single readable report.
+
+    Reading is bound by the disk: past PARALLEL_BYTES, ``workers`` processes (default: up to 2,
+    at most the CPU count) read one file each, which keeps two reads in flight."""
+    if not paths:
+        raise ValueError("paths: give at least one JSONL file")
+    groups: list[tuple[str, list[str]]] = []
+    for p in paths:
+        files = rotated_files(p)
+        if not files:
+            raise FileNotFoundError(f"{p}: no such file (nor rotated {p}.N)")
+        groups.append((p, files))
+    todo = [f for _, files in groups for f in files]
+    total = sum(os.path.getsize(f) for f in todo)
+    if workers is None:
+        workers = min(2, os.cpu_count() or 1, len(todo)) if total >= PARALLEL_BYTES else 1
+    results: dict[str, tuple[list[StepReport], list[tuple[int, int]], list[str]]] = {}
+    t0 = time.perf_counter()
+
+    def done(path: str, res: tuple[list[StepReport], list[tuple[int, int]], list[str]]) -> None:
+        results[path] = res
+        progress(f"read {path}: {len(res[0])} steps, {os.path.getsize(path) / 1e6:.1f} MB "
+                 f"({time.perf_counter() - t0:.1f} s since start of reading)")
+
+    if workers > 1:
+        import concurrent.futures
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
+        with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            futures = {pool.submit(_scan_one, f): f for f in todo}
+            for fut in concurrent.futures.as_completed(futures):
+                done(futures[fut], fut.result())
+    else:
+        for f in todo:
+            done(f, _scan_one(f))
+    reports: list[StepReport] = []
+    where: dict[int, _Where] = {}
+    for p, files in groups:
+        before = len(reports)
+        for f in files:
+            got, spans, warned = results[f]
+            for msg in warned:
+                warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            for r, (start, end) in zip(got, spans, strict=True):
+                where[len(reports)] = _Where(f, start, end)
+                reports.append(r)
+        if len(reports) == before:
+            raise ValueError(f"{p}: no step reports in it (empty file, or no line parses)")
+    return RunIndex.of(reports, where)
+
+
+def _scan_one(path: str) -> tuple[list[StepReport], list[tuple[int, int]], list[str]]:
+    """(step-level reports, (start, end) byte span of each line, warnings) of one file, read in
+    large chunks into one reused buffer; only the head and the tail of each line are parsed."""
+    out: list[StepReport] = []
+    spans: list[tuple[int, int]] = []
+    warned: list[str] = []
+    lineno = 0
+    buf = bytearray(2 * _CHUNK)
+    filled = 0  # valid bytes in buf
+    base = 0  # file offset of buf[0]
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            if len(buf) - filled < _CHUNK:  # a line longer than the buffer: grow it
+                buf.extend(bytes(len(buf)))
+            n = f.readinto(memoryview(buf)[filled : filled + _CHUNK])
+            filled += n or 0
+            last = not n
+            pos = 0
+            while pos < filled:
+                nl = buf.find(b"\n", pos, filled)
+                if nl < 0 and not last:
+                    break  # the rest of this line comes with the next chunk
+                end = filled if nl < 0 else nl
+                lineno += 1
+                if end - pos > 64 or buf[pos:end].strip():  # skip blank lines
+                    try:
+                        report = _summary(buf, pos, end)
+                    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                        what = "truncated last line" if nl < 0 else "unreadable line"
+                        warned.append(f"{path}:{lineno}: skipping {what} ({exc})")
+                    else:
+                        out.append(report)
+                        spans.append((base + pos, base + end))
+                pos = end + 1
+            if last:
+                break
+            keep = filled - pos
+            if keep > 0:
+                buf[:keep] = buf[pos:filled]
+            base += pos
+            filled = max(keep, 0)
+    return out, spans, warned
+
+
+# -- charts --------------------------------------------------------------------------------------
+def pick_unit(max_bytes: float) -> tuple[str, int]:
+    """Largest binary unit (GiB, MiB, KiB, B) that ``max_bytes`` reaches; dividing by a power of
+    two is exact in float64, so plotted values times the unit give back the bytes."""
+    for name, scale in _UNITS:
+        if max_bytes >= scale:
+            return name, scale
+    return "B", 1
+
+
+def _abort_text(r: StepReport) -> str:
+    a = r.aborted
+    if a is None:
+        return ""
+    kind = f"OOM, {a.error}" if a.oom else a.error
+    where = f"{a.module or '(no module)'} at {a.state or '(no state)'}"
+    return f"step {r.step} aborted ({kind}) in {where}: {a.message[:160]}"
+
+
+def step_figure(index: RunIndex, *, max_points: int = DEFAULT_MAX_POINTS, unit: tuple[str, int] | None = None,
+                rank: int | None = None) -> go.Figure:
+    """Per step: the step peak stacked by category, allocator lines, deep / aborted markers.
+    One set of traces per rank (``meta`` = {"rank": r}); a menu shows one rank at a time."""
+    go_mod = _plotly()
+    ranks = index.ranks
+    unit = unit or pick_unit(_max_plotted(index))
+    uname, scale = unit
+    shown = rank if rank is not None else ranks[0]
+    fig = go_mod.Figure()
+    spans: dict[int, tuple[int, int]] = {}
+    for rk in ranks:
+        reports = index.by_rank[rk]
+        dev = index.device(rk)
+        peaks = [step_peak(r, dev) for r in reports]
+        keep = [r.mode == DEEP or r.aborted is not None for r in reports]
+        idx = downsample(peaks, keep, max_points)
+        kept = [reports[i] for i in idx]
+        xs = np.array([r.step for r in kept], dtype=np.int64)
+        first = len(fig.data)
+        visible = rk == shown
+        meta = {"rank": rk, "device": dev}
+        for cat in CATEGORIES:
+            ys = np.array([r.peak.get(dev, {}).get(cat, 0) for r in kept], dtype=np.float64) / scale
+            if not ys.any():
+                continue
+            fig.add_scatter(x=xs, y=ys, name=cat, stackgroup=f"r{rk}", mode="lines", line={"width": 0.5},
+                            fillcolor=CATEGORY_COLORS[cat], line_color=CATEGORY_COLORS[cat], legendgroup=cat,
+                            visible=visible, meta={**meta, "kind": "category", "category": cat},
+                            hovertemplate=f"step %{{x}}<br>{cat}: %{{y:.4~f}} {uname}<extra>rank {rk}</extra>")
+        for label, keys in allocator_series(dev):
+            vals = [allocator_value(r, dev, keys) for r in kept]
+            if all(v is None for v in vals):
+                continue
+            ys2 = np.array([math.nan if v is None else v for v in vals], dtype=np.float64) / scale
+            fig.add_scatter(x=xs, y=ys2, name=label, mode="lines", visible=visible,
+                            line={"width": 1.5, "dash": "dot" if "allocated" in label else "solid",
+                                  "color": "#222" if "allocated" in label else "#777"},
+                            meta={**meta, "kind": "allocator", "keys": keys},
+                            hovertemplate=f"step %{{x}}<br>{label}: %{{y:.4~f}} {uname}<extra>rank {rk}</extra>")
+        deep = [r for r in kept if r.mode == DEEP]
+        if deep:
+            fig.add_scatter(x=[r.step for r in deep], y=[step_peak(r, dev) / scale for r in deep], mode="markers",
+                            name="deep step", visible=visible, meta={**meta, "kind": "deep"},
+                            marker={"symbol": "diamond", "size": 6, "color": DEEP_COLOR},
+                            hovertemplate=f"deep step %{{x}}: peak %{{y:.4~f}} {uname}<extra>rank {rk}</extra>")
+        aborted = [r for r in kept if r.aborted is not None]
+        if aborted:
+            fig.add_scatter(x=[r.step for r in aborted], y=[step_peak(r, dev) / scale for r in aborted],
+                            mode="markers", name="aborted step", visible=visible, meta={**meta, "kind": "aborted"},
+                            text=[_abort_text(r) for r in aborted],
+                            marker={"symbol": "x", "size": 11, "color": ABORT_COLOR, "line": {"width": 1}},
+                            hovertemplate="%{text}<br>peak %{y:.4~f} " + uname + f"<extra>rank {rk}</extra>")
+        spans[rk] = (first, len(fig.data))
+    n = len(fig.data)
+    menus: list[dict[str, Any]] = []
+    tracked = _max_tracked(index) / scale
+    everything = _max_plotted(index) / scale
+    if tracked > 0 and everything > 5 * tracked:
+        # e.g. the host's RSS (interpreter, libraries) dwarfs what the tracker counts: zoom on the stack
+        fit = [0, tracked * 1.15]
+        fig.update_yaxes(range=fit)
+        menus.append({"type": "buttons", "direction": "right", "x": 0.45, "y": 1.15, "xanchor": "left",
+                      "yanchor": "top", "active": 0, "buttons": [
+                          {"label": "fit tracked peak", "method": "relayout", "args": [{"yaxis.range": fit}]},
+                          {"label": "fit all lines", "method": "relayout",
+                           "args": [{"yaxis.range": [0, everything * 1.05]}]}]})
+    if len(ranks) > 1:
+        buttons = [
+            {"label": f"rank {rk}", "method": "update",
+             "args": [{"visible": [spans[rk][0] <= i < spans[rk][1] for i in range(n)]},
+                      {"title.text": f"Step peak by category, rank {rk}"}]}
+            for rk in ranks
+        ]
+        menus.append({"buttons": buttons, "active": ranks.index(shown), "x": 1.0, "y": 1.15, "xanchor": "right",
+                      "yanchor": "top"})
+    if menus:
+        fig.update_layout(updatemenus=menus)
+    fig.update_layout(title=f"Step peak by category, rank {shown}", xaxis_title="step",
+                      yaxis_title=f"memory ({uname})", hovermode="closest", template="plotly_white", height=520,
+                      legend={"groupclick": "toggleitem"}, meta={"unit": uname, "scale": scale})
+    return fig
+
+
+def _max_tracked(index: RunIndex) -> float:
+    return float(max((step_peak(r, index.device(rk)) for rk, v in index.by_rank.items() for r in v), default=0))
+
+
+def _max_plotted(index: RunIndex) -> float:
+    best = 0.0
+    for rk, reports in index.by_rank.items():
+        dev = index.device(rk)
+        for r in reports:
+            best = max(best, float(step_peak(r, dev)))
+            for _, keys in allocator_series(dev):
+                v = allocator_value(r, dev, keys)
+                if v is not None and math.isfinite(v):
+                    best = max(best, v)
+    return best
+
+
+@dataclass
+class Snapshot:
+    """One bar of a module view."""
+
+    label: str
+    module: str
+    state: str
+    call: int
+    breakdown: dict[str, int]
+    forward: bool
+
+
+def module_snapshots(report: StepReport, device: str) -> list[Snapshot]:
+    """Every (module, state, call) snapshot on ``device`` in execution order: by snapshot time,
+    ties by module order then state order; without times, forward states in module order
+    followed by backward states in reverse module order."""
+    order = {m: i for i, m in enumerate(report.module_order)}
+    state_ix = {s: i for i, s in enumerate(STATES)}
+    rows: list[tuple[tuple[Any, ...], Snapshot]] = []
+    multi = {(m, s) for m, mr in report.modules.items() for s, calls in mr.snapshots.items() if len(calls) > 1}
+    for m, mr in report.modules.items():
+        for s, calls in mr.snapshots.items():
+            times = mr.times.get(s, [])
+            for c, b in enumerate(calls):
+                fwd = s in _FWD
+                label = f"{m} · {s}" + (f" #{c + 1}" if (m, s) in multi else "")
+                snap = Snapshot(label, m, s, c, dict(b.get(device, {})), fwd)
+                mo = order.get(m, len(order))
+                if c < len(times) and times[c]:
+                    key: tuple[Any, ...] = (0, times[c], mo, state_ix.get(s, 99), c)
+                else:
+                    key = (1, 0 if fwd else 1, mo if fwd else -mo, c, state_ix.get(s, 99))
+                rows.append((key, snap))
+    rows.sort(key=lambda kv: kv[0])
+    return [s for _, s in rows]
+
+
+def module_figure(report: StepReport, *, device: str | None = None, unit: tuple[str, int] | None = None,
+                  title: str = "") -> go.Figure:
+    """Module snapshots of one step in execution order, stacked by category (see module doc)."""
+    go_mod = _plotly()
+    dev = device or main_device([report])
+    snaps = module_snapshots(report, dev)
+    abort = report.aborted
+    if abort is not None:
+        where = f"{abort.module or '?'} · {abort.state or '?'}"
+        snaps.append(Snapshot(f"ABORT {('OOM' if abort.oom else abort.error)} @ {where}", abort.module, abort.state,
+                              0, dict(abort.breakdown.get(dev, {})), abort.state in _FWD or not snaps
+                              or snaps[-1].forward))
+    biggest = max((s.breakdown.get(TOTAL, 0) for s in snaps), default=0)
+    uname, scale = unit or pick_unit(biggest)
+    labels = [s.label for s in snaps]
+    fig = go_mod.Figure()
+    for cat in CATEGORIES:
+        ys = np.array([s.breakdown.get(cat, 0) for s in snaps], dtype=np.float64) / scale
+        if not ys.any():
+            continue
+        fig.add_bar(x=labels, y=ys, name=cat, marker_color=CATEGORY_COLORS[cat], meta={"category": cat},
+                    hovertemplate=f"%{{x}}<br>{cat}: %{{y:.4~f}} {uname}<extra></extra>")
+    shapes, notes = [], []
+    bwd = next((i for i, s in enumerate(snaps) if not s.forward), None)
+    if bwd is not None and bwd > 0:
+        shapes.append({"type": "line", "xref": "x", "yref": "paper", "x0": bwd - 0.5, "x1": bwd - 0.5, "y0": 0,
+                       "y1": 1, "line": {"dash": "dash", "color": "#555"}})
+        notes.append({"x": bwd - 0.5, "y": 1.02, "xref": "x", "yref": "paper", "text": "backward →",
+                      "showarrow": False, "xanchor": "left"})
+    if abort is not None and snaps:
+        last = len(snaps) - 1
+        fig.add_scatter(x=[labels[last]], y=[snaps[last].breakdown.get(TOTAL, 0) / scale], mode="markers+text",
+                        marker={"symbol": "x", "size": 14, "color": ABORT_COLOR}, name="stopped here",
+                        text=["stopped here"], textposition="top center", meta={"kind": "aborted"},
+                        hovertext=[_abort_text(report)], hoverinfo="text")
+    fig.update_layout(barmode="stack", title=title, template="plotly_white", height=560, shapes=shapes,
+                      annotations=notes, yaxis_title=f"memory on {dev} ({uname})", bargap=0.05,
+                      xaxis={"type": "category", "tickangle": -60, "automargin": True},
+                      meta={"unit": uname, "scale": scale, "rank": report.rank, "step": report.step, "device": dev})
+    return fig
+
+
+def module_peaks(report: StepReport, device: str) -> dict[str, int]:
+    """module -> largest ``total`` on ``device`` over its states and calls."""
+    return {
+        m: max((b.get(device, {}).get(TOTAL, 0) for calls in mr.snapshots.values() for b in calls), default=0)
+        for m, mr in report.modules.items()
+    }
+
+
+def heatmap_figure(index: RunIndex, steps: Sequence[tuple[str, int]],
+                   unit: tuple[str, int] | None = None) -> go.Figure:
+    """rank x module per-module peak for each (label, step); a menu switches between steps."""
+    go_mod = _plotly()
+    ranks = index.ranks
+    devices = {rk: index.device(rk) for rk in ranks}
+    uname, scale = unit or pick_unit(_max_tracked(index))
+    fig = go_mod.Figure()
+    for n, (label, step) in enumerate(steps):
+        modules: list[str] = []
+        per_rank: dict[int, dict[str, int]] = {}
+        for rk in ranks:
+            full = index.full(rk, step)
+            if full is None:
+                continue
+            per_rank[rk] = module_peaks(full, devices[rk])
+            for m in full.module_order or list(full.modules):
+                if m not in modules:
+                    modules.append(m)
+            for m in full.modules:
+                if m not in modules:
+                    modules.append(m)
+        z = [[(per_rank[rk][m] / scale if m in per_rank.get(rk, {}) else None) for m in modules] for rk in ranks]
+        fig.add_heatmap(z=z, x=modules, y=[f"rank {rk}" for rk in ranks], colorscale="Viridis", visible=n == 0,
+                        colorbar={"title": {"text": uname}}, name=label, meta={"step": step, "label": label},
+                        hovertemplate=f"%{{y}} %{{x}}<br>module peak %{{z:.4~f}} {uname}<extra>step {step}</extra>")
+    if len(steps) > 1:
+        fig.update_layout(updatemenus=[{
+            "buttons": [{"label": label, "method": "update",
+                         "args": [{"visible": [i == k for i in range(len(steps))]},
+                                  {"title.text": f"Per-module peak, rank x module: {label}"}]}
+                        for k, (label, _) in enumerate(steps)],
+            "x": 1.0, "y": 1.18, "xanchor": "right", "yanchor": "top"}])
+    first = steps[0][0] if steps else ""
+    fig.update_layout(title=f"Per-module peak, rank x module: {first}", template="plotly_white",
+                      height=max(320, 60 + 28 * len(ranks)),
+                      xaxis={"type": "category", "tickangle": -60, "automargin": True},
+                      yaxis={"type": "category", "autorange": "reversed"}, meta={"unit": uname, "scale": scale})
+    return fig
+
+
+def rank_skew(index: RunIndex) -> tuple[list[int], list[int], list[str]]:
+    """(steps, max - min step peak across ranks, hover text) for steps seen on 2+ ranks."""
+    devices = {rk: index.device(rk) for rk in index.ranks}
+    per_step: dict[int, list[tuple[int, int]]] = {}
+    for rk, reports in index.by_rank.items():
+        for r in reports:
+            per_step.setdefault(r.step, []).append((step_peak(r, devices[rk]), rk))
+    steps, skew, text = [], [], []
+    for s in sorted(per_step):
+        vals = per_step[s]
+        if len(vals) < 2:
+            continue
+        hi, lo = max(vals), min(vals)
+        steps.append(s)
+        skew.append(hi[0] - lo[0])
+        text.append(f"max rank {hi[1]}, min rank {lo[1]} ({len(vals)} ranks)")
+    return steps, skew, text
+
+
+def skew_figure(index: RunIndex, *, max_points: int = DEFAULT_MAX_POINTS,
+                unit: tuple[str, int] | None = None) -> go.Figure:
+    go_mod = _plotly()
+    steps, skew, text = rank_skew(index)
+    special = {r.step for rs in index.by_rank.values() for r in rs if r.mode == DEEP or r.aborted is not None}
+    idx = downsample(skew, [s in special for s in steps], max_points)
+    uname, scale = unit or pick_unit(max(skew, default=0))
+    fig = go_mod.Figure()
+    fig.add_scatter(x=np.array([steps[i] for i in idx], dtype=np.int64),
+                    y=np.array([skew[i] for i in idx], dtype=np.float64) / scale, mode="lines", name="rank skew",
+                    text=[text[i] for i in idx], line={"color": "#1F77B4"}, fill="tozeroy",
+                    hovertemplate=f"step %{{x}}: max - min = %{{y:.4~f}} {uname}<br>%{{text}}<extra></extra>")
+    fig.update_layout(title="Rank skew: max - min of the step peak across ranks", xaxis_title="step",
+                      yaxis_title=f"skew ({uname})", template="plotly_white", height=360,
+                      meta={"unit": uname, "scale": scale})
+    return fig
+
+
+# -- page ----------------------------------------------------------------------------------------
+@dataclass
+class Selection:
+    """The steps the module views and heatmaps show."""
+
+    rank: int
+    step: int
+    worst_rank: int
+    worst_step: int
+    worst_peak: int
+
+
+def select_steps(index: RunIndex, step: int | None = None, rank: int | None = None) -> Selection:
+    """Highest-peak (rank, step) over the run, and the chosen step (default: the chosen rank's
+    last step; the chosen rank defaults to the one holding the highest peak)."""
+    if not index.by_rank:
+        raise ValueError("no step reports")
+    worst: tuple[int, int, int] | None = None
+    for rk in index.ranks:
+        dev = index.device(rk)
+        for r in index.by_rank[rk]:
+            cand = (step_peak(r, dev), -rk, -r.step)
+            if worst is None or cand > worst:
+                worst = cand
+    assert worst is not None
+    wpeak, wrank, wstep = worst[0], -worst[1], -worst[2]
+    if rank is None:
+        rank = wrank
+    elif rank not in index.by_rank:
+        raise ValueError(f"--rank {rank}: no reports for that rank; ranks present: {index.ranks}")
+    steps = [r.step for r in index.by_rank[rank]]
+    if step is None:
+        step = steps[-1]
+    elif step not in set(steps):
+        raise ValueError(f"--step {step}: rank {rank} has no report for it; its steps run {steps[0]}..{steps[-1]}")
+    return Selection(rank, step, wrank, wstep, wpeak)
+
+
+@dataclass
+class Report:
+    """The figures of a page, in page order, with what the page says about them."""
+
+    figures: list[tuple[str, str, go.Figure]]  # (id, caption, figure)
+    summary: list[tuple[str, str]]
+    aborted: list[tuple[int, str]]  # (rank, text)
+
+
+def build_report(index: RunIndex, *, step: int | None = None, rank: int | None = None,
+                 max_points: int = DEFAULT_MAX_POINTS, progress: Progress = _quiet) -> Report:
+    """All figures of the page (see the module doc)."""
+    sel = select_steps(index, step, rank)
+    unit = pick_unit(_max_plotted(index))
+    tunit = pick_unit(_max_tracked(index))  # module views and heatmaps: no allocator lines there
+    n_steps = sum(len(v) for v in index.by_rank.values())
+    longest = max(len(v) for v in index.by_rank.values())
+    progress(f"drawing per-step chart ({n_steps} reports, {len(index.ranks)} ranks)")
+    figures: list[tuple[str, str, go.Figure]] = []
+    ds = (f"{longest} steps drawn whole" if longest <= max_points else
+          f"downsampled: {longest} steps cut into {max_points} runs, each drawn by its highest-peak step, "
+          "plus every deep and aborted step")
+    figures.append(("steps", f"Step peak stacked by category, with the allocator on the same axis ({ds}). "
+                    "◆ deep step, ✕ aborted step (hover: module and state where it stopped).",
+                    step_figure(index, max_points=max_points, unit=unit, rank=sel.rank)))
+    progress(f"reading module detail: step {sel.step} (rank {sel.rank}), highest peak step {sel.worst_step} "
+             f"(rank {sel.worst_rank})")
+    views = [("selected", sel.rank, sel.step, "selected step" if step is not None else "last step")]
+    if (sel.worst_rank, sel.worst_step) != (sel.rank, sel.step):
+        views.append(("worst", sel.worst_rank, sel.worst_step, "highest peak"))
+    else:
+        views[0] = ("selected", sel.rank, sel.step, views[0][3] + ", also the highest peak")
+    for vid, rk, st, what in views:
+        full = index.full(rk, st)
+        if full is None or not full.modules:
+            continue
+        dev = index.device(rk)
+        title = f"Modules through forward and backward: step {st}, rank {rk} ({what})"
+        figures.append((f"modules-{vid}", "Each module's memory at each FSDP state, in execution order, stacked "
+                        "by category.", module_figure(full, device=dev, unit=tunit, title=title)))
+    if len(index.ranks) > 1:
+        progress("drawing cross-rank charts")
+        hsteps = [(f"step {sel.worst_step} (highest peak)", sel.worst_step)]
+        if sel.step != sel.worst_step:
+            hsteps.append((f"step {sel.step} (selected)", sel.step))
+        figures.append(("heatmap", "Per-module peak (largest total over its states) on every rank, same step.",
+                        heatmap_figure(index, hsteps, unit=tunit)))
+        figures.append(("skew", "How far apart the ranks' step peaks are, per step.",
+                        skew_figure(index, max_points=max_points)))
+    aborted = [(rk, _abort_text(r)) for rk in index.ranks for r in index.by_rank[rk] if r.aborted is not None]
+    first = index.by_rank[index.ranks[0]][0]
+    deep = sum(r.mode == DEEP for v in index.by_rank.values() for r in v)
+    devices = sorted({index.device(rk) for rk in index.ranks})
+    summary = [
+        ("ranks", ", ".join(map(str, index.ranks)) + f" (world size {first.world_size})"),
+        ("steps", f"{min(v[0].step for v in index.by_rank.values())}..{max(v[-1].step for v in index.by_rank.values())}"
+                  f", {n_steps} reports ({deep} deep, {len(aborted)} aborted)"),
+        ("devices", ", ".join(devices)),
+        ("FSDP", str(first.fsdp_version)),
+        ("highest step peak", f"{sel.worst_peak / tunit[1]:.4g} {tunit[0]} at step {sel.worst_step}, "
+                              f"rank {sel.worst_rank}"),
+    ]
+    if index.duplicates:
+        summary.append(("duplicates", f"{index.duplicates} (rank, step) reports seen twice; the later one kept"))
+    return Report(figures, summary, aborted)
+
+
+_CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px auto; max-width: 1400px;
+       color: #222; background: #fff; }
+h1 { font-size: 1.5em; margin-bottom: 0.2em; }
+table.summary td { padding: 2px 12px 2px 0; vertical-align: top; }
+table.summary td:first-child { color: #666; }
+section { margin-top: 28px; }
+p.caption { color: #555; margin: 4px 0; }
+ul.aborted { color: #b00; }
+"""
+
+
+def render_html(report: Report, title: str = "FSDP memory report") -> str:
+    """One self-contained page: plotly.js and CSS inlined, no external fetches."""
+    import plotly.io as pio
+    from plotly.offline import get_plotlyjs
+
+    parts = [
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{html.escape(title)}</title>", f"<style>{_CSS}</style>",
+        f'<script type="text/javascript">{get_plotlyjs()}</script>', "</head><body>",
+        f"<h1>{html.escape(title)}</h1>", '<table class="summary">',
+    ]
+    parts += [f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in report.summary]
+    parts.append("</table>")
+    if report.aborted:
+        shown = report.aborted[:50]
+        parts.append(f"<section><h2>Aborted steps ({len(report.aborted)})</h2><ul class=\"aborted\">")
+        parts += [f"<li>rank {rk}: {html.escape(text)}</li>" for rk, text in shown]
+        if len(report.aborted) > len(shown):
+            parts.append(f"<li>... and {len(report.aborted) - len(shown)} more (all marked in the charts)</li>")
+        parts.append("</ul></section>")
+    for fid, caption, fig in report.figures:
+        div = pio.to_html(fig, include_plotlyjs=False, full_html=False, div_id=f"fig-{fid}", config=_PLOTLY_CONFIG)
+        parts.append(f'<section id="{fid}"><p class="caption">{html.escape(caption)}</p>{div}</section>')
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_report(paths: Sequence[str], out: str, *, step: int | None = None, rank: int | None = None,
+                 max_points: int = DEFAULT_MAX_POINTS, progress: Progress = _quiet) -> int:
+    """Read ``paths``, write the page to ``out`` (parents created); returns its size in bytes."""
+    index = scan_files(paths, progress)
+    report = build_report(index, step=step, rank=rank, max_points=max_points, progress=progress)
+    progress("rendering HTML")
+    text = render_html(report, title=f"FSDP memory report: {', '.join(os.path.basename(p) for p in paths)}")
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    data = text.encode("utf-8")
+    tmp = f"{out}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, out)
+    return len(data)
+
+
+# -- command line --------------------------------------------------------------------------------
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0; got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0; got {value}")
+    return value
+
+
+def report_main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="fsdp-mem-otel report",
+        description="Turn the tracker's JSONL files (one or more, any ranks; rotated files are read with "
+                    "their base name) into one self-contained HTML page of charts.",
+    )
+    p.add_argument("paths", nargs="+", metavar="RUN.jsonl", help="JSONL files written by JSONLExporter")
+    p.add_argument("-o", "--output", required=True, metavar="REPORT.html",
+                   help="the HTML file to write (missing parent directories are created)")
+    p.add_argument("--step", type=_non_negative, default=None,
+                   help="step whose per-module view is drawn (default: the last step)")
+    p.add_argument("--rank", type=_non_negative, default=None,
+                   help="rank shown first and used for --step (default: the rank with the highest peak)")
+    p.add_argument("--max-points", type=_positive, default=DEFAULT_MAX_POINTS,
+                   help=f"per-step charts draw every step up to this many, else downsample (default "
+                        f"{DEFAULT_MAX_POINTS})")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    args = p.parse_args(argv)
+    for path in args.paths:
+        if os.path.isdir(path):
+            p.error(f"argument RUN.jsonl: {path} is a directory; give the JSONL files in it")
+        if not rotated_files(path):
+            p.error(f"argument RUN.jsonl: {path}: no such file (nor rotated {path}.N)")
+    if os.path.isdir(args.output):
+        p.error(f"argument -o/--output: {args.output} is a directory; give a file name such as report.html")
+    out_parent = os.path.dirname(os.path.abspath(args.output))
+    blocker = out_parent
+    while blocker and not os.path.exists(blocker):
+        blocker = os.path.dirname(blocker)
+    if blocker and not os.path.isdir(blocker):
+        p.error(f"argument -o/--output: cannot create {out_parent}: {blocker} is a file")
+
+    t0 = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        if not args.quiet:
+            print(f"[report {time.perf_counter() - t0:5.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    if not os.path.isdir(out_parent):
+        progress(f"creating directory {out_parent}")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            size = write_report(args.paths, args.output, step=args.step, rank=args.rank,
+                                max_points=args.max_points, progress=progress)
+        for w in caught[:20]:
+            print(f"fsdp-mem-otel report: warning: {w.message}", file=sys.stderr)
+        if len(caught) > 20:
+            print(f"fsdp-mem-otel report: ... {len(caught) - 20} more warnings", file=sys.stderr)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"fsdp-mem-otel report: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"fsdp-mem-otel report: error: {exc}", file=sys.stderr)
+        return 1
+    progress(f"wrote {args.output} ({size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(report_main())
