@@ -147,7 +147,8 @@ class FSDPMemoryTracker:
 
         config = TrackerConfig.from_env()
         tracker = cls(model, optimizer, config=config)  # validate the model before opening ports
-        tracker.exporters = list(build_exporters())
+        if config.enabled:  # FSDP_MEM_OTEL_ENABLED=0: no ports, no files, nothing measured
+            tracker.exporters = list(build_exporters())
         return tracker
 
     # -- lifecycle -----------------------------------------------------------------------------
