@@ -4,7 +4,9 @@ Writes one JSONL file per rank in the exporter's exact format (``StepReport.to_d
 keys, one line per step): every step carries a full module breakdown (each module x 10 FSDP states
 x 12 categories on ``cuda:<rank>``, with times), every ``--deep-every``-th step is deep, and a few
 steps per rank are aborted by an injected OOM. Then it runs ``python -m fsdp_mem_otel.report`` on
-them in a subprocess (so import time counts) and prints the page size and wall time.
+them in a subprocess (so import time counts) and prints the page size and wall time. Like
+``JSONLExporter``, it writes each file's side index ``<file>.index`` with the exporter's own
+``index_line`` (``--no-index`` leaves it out, to time the full scan).
 
     python benchmarks/report_scale.py                       # 10,000 steps x 100 modules x 8 ranks
     python benchmarks/report_scale.py --steps 1000 --ranks 2 --modules 20   # a quick one
@@ -28,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from fsdp_mem_otel.exporters.jsonl import index_line, index_path  # noqa: E402
 from fsdp_mem_otel.model import CATEGORIES, STATES, TOTAL, ModuleReport, StepAbort, StepReport  # noqa: E402
 
 STATE_LIST = [s for s in STATES if not s.endswith("_ac")]  # the 10 states a plain FSDP module reaches
@@ -65,12 +68,14 @@ def modules_blob(rank: int, n_modules: int, variant: int) -> tuple[str, list[str
 
 
 def write_rank(path: Path, rank: int, ranks: int, steps: int, n_modules: int, deep_every: int,
-               aborted: set[int]) -> None:
+               aborted: set[int], index: bool = True) -> None:
     blobs = [modules_blob(rank, n_modules, v) for v in range(VARIANTS)]
     keys = blobs[0][1]
     dev = f"cuda:{rank}"
     seed = 12345 + rank
-    with open(path, "w", buffering=16 << 20) as f:
+    offset = 0
+    with open(path, "wb", buffering=16 << 20) as f, \
+            open(index_path(str(path)) if index else os.devnull, "wb", buffering=1 << 20) as fi:
         for step in range(1, steps + 1):
             seed = (seed * 1103515245 + 12345) & 0x7FFFFFFF
             jitter = seed % (512 << 20)
@@ -94,8 +99,12 @@ def write_rank(path: Path, rank: int, ranks: int, steps: int, n_modules: int, de
             )
             d = report.to_dict()
             d["modules"] = "@MODULES@"
-            line = json.dumps(d, sort_keys=True).replace('"@MODULES@"', blobs[step % VARIANTS][0], 1)
-            f.write(line + "\n")
+            line = (json.dumps(d, sort_keys=True).replace('"@MODULES@"', blobs[step % VARIANTS][0], 1)
+                    + "\n").encode("utf-8")
+            f.write(line)
+            if index:
+                fi.write(index_line(d, offset, len(line)))  # d's modules are left out of the entry
+            offset += len(line)
 
 
 def main() -> int:
@@ -106,6 +115,10 @@ def main() -> int:
     p.add_argument("--deep-every", type=int, default=10, help="every Nth step deep (default 10)")
     p.add_argument("--dir", default=None, help="where to write the JSONL set (default: a new temp dir, removed)")
     p.add_argument("--keep", action="store_true", help="keep the JSONL set and the page")
+    p.add_argument("--no-index", action="store_true", help="write no side index (times the full scan)")
+    p.add_argument("--reuse", action="store_true", help="use the JSONL set already in --dir (no generation)")
+    p.add_argument("--drop-caches", action="store_true",
+                   help="sync and drop the page cache before the report (root only), to time a cold read")
     args = p.parse_args()
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="report_scale_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -115,13 +128,18 @@ def main() -> int:
         files = []
         for rank in range(args.ranks):
             path = work / f"run.rank{rank}.jsonl"
-            write_rank(path, rank, args.ranks, args.steps, args.modules, args.deep_every, aborted)
+            if not args.reuse:
+                write_rank(path, rank, args.ranks, args.steps, args.modules, args.deep_every, aborted,
+                           index=not args.no_index)
             files.append(str(path))
             print(f"generated {path} ({path.stat().st_size / 1e9:.2f} GB)", flush=True)
         data_bytes = sum(os.path.getsize(f) for f in files)
         print(f"generated {args.steps} steps x {args.modules} modules x {args.ranks} ranks: "
               f"{data_bytes / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
         out = work / "report.html"
+        if args.drop_caches:
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
         cmd = [sys.executable, "-m", "fsdp_mem_otel.report", *files, "-o", str(out)]
         t1 = time.perf_counter()
         subprocess.run(cmd, check=True, cwd=REPO)

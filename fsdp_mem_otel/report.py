@@ -33,6 +33,15 @@ text before ``"module_order"`` and from the last ``"peak"``), remembers where ea
 :class:`RunIndex` re-reads the complete line of a step only when a chart needs its modules. A
 line that does not split that way is parsed whole; one that does not parse is skipped with a
 warning, like ``read_reports``.
+
+Side index: where a data file has a consistent ``<file>.index`` (written by ``JSONLExporter``:
+one entry per line with its step-level fields, byte offset and length), the step series come from
+the index alone, and of the data file only the chosen steps' lines are read (seek + read) plus any
+bytes the index does not cover (a line whose index entry a crash or an I/O error lost), scanned as
+above. An index that is unreadable or does not fit its data file (an entry past the end of the
+file, entries out of order or overlapping, an entry not ending at a line end) is ignored with a
+warning and the file is scanned whole; a torn last index entry is skipped. Either way the reports
+are the same as from a full scan.
 """
 
 from __future__ import annotations
@@ -51,8 +60,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fsdp_mem_otel.exporters.jsonl import rotated_files
-from fsdp_mem_otel.model import CATEGORIES, DEEP, STATES, TOTAL, StepReport
+from fsdp_mem_otel.exporters.jsonl import index_path, is_index_path, rotated_files
+from fsdp_mem_otel.model import CATEGORIES, DEEP, STATES, TOTAL, StepAbort, StepReport
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -202,6 +211,11 @@ class RunIndex:
             return self._cache[key]
         loc = self._where.get(key)
         report = self.get(rank, step) if loc is None else _read_line(loc)
+        if loc is not None and report is not None and (report.rank, report.step) != key:
+            warnings.warn(f"{loc.path}: line at byte {loc.start} holds rank {report.rank} step {report.step}, "
+                          f"not rank {rank} step {step} (file changed since it was indexed?)",
+                          RuntimeWarning, stacklevel=2)
+            report = None
         self._cache[key] = report
         return report
 
@@ -254,25 +268,41 @@ def scan_files(paths: Sequence[str], progress: Progress = _quiet, workers: int |
     at most the CPU count) read one file each, which keeps two reads in flight."""
     if not paths:
         raise ValueError("paths: give at least one JSONL file")
-    groups: list[tuple[str, list[str]]] = []
+    given = [p for p in paths if not is_index_path(p)]
     for p in paths:
+        if is_index_path(p):
+            progress(f"{p}: a side index, not a data file; skipped (the index of a data file is used with it)")
+    if not given:
+        raise ValueError("paths: only side index files (*.index) given; give the JSONL files")
+    groups: list[tuple[str, list[str]]] = []
+    for p in given:
         files = rotated_files(p)
         if not files:
             raise FileNotFoundError(f"{p}: no such file (nor rotated {p}.N)")
         groups.append((p, files))
-    todo = [f for _, files in groups for f in files]
+    results: dict[str, _Scanned] = {}
+    t0 = time.perf_counter()
+    todo: list[str] = []
+    for f in (f for _, files in groups for f in files):
+        if f in results or f in todo:
+            continue
+        indexed = _from_index(f, progress)
+        if indexed is None:
+            todo.append(f)
+        else:
+            results[f] = indexed
+            progress(f"read {f} via its index: {len(indexed[0])} steps, {os.path.getsize(f) / 1e6:.1f} MB of data "
+                     f"({time.perf_counter() - t0:.1f} s since start of reading)")
     total = sum(os.path.getsize(f) for f in todo)
     if workers is None:
         workers = min(2, os.cpu_count() or 1, len(todo)) if total >= PARALLEL_BYTES else 1
-    results: dict[str, tuple[list[StepReport], list[tuple[int, int]], list[str]]] = {}
-    t0 = time.perf_counter()
 
-    def done(path: str, res: tuple[list[StepReport], list[tuple[int, int]], list[str]]) -> None:
+    def done(path: str, res: _Scanned) -> None:
         results[path] = res
         progress(f"read {path}: {len(res[0])} steps, {os.path.getsize(path) / 1e6:.1f} MB "
                  f"({time.perf_counter() - t0:.1f} s since start of reading)")
 
-    if workers > 1:
+    if workers > 1 and todo:
         import concurrent.futures
         import multiprocessing
 
@@ -300,48 +330,186 @@ def scan_files(paths: Sequence[str], progress: Progress = _quiet, workers: int |
     return RunIndex.of(reports, where)
 
 
-def _scan_one(path: str) -> tuple[list[StepReport], list[tuple[int, int]], list[str]]:
+_Scanned = tuple[list[StepReport], list[tuple[int, int]], list[str]]
+
+
+def _scan_one(path: str) -> _Scanned:
     """(step-level reports, (start, end) byte span of each line, warnings) of one file, read in
     large chunks into one reused buffer; only the head and the tail of each line are parsed."""
     out: list[StepReport] = []
     spans: list[tuple[int, int]] = []
     warned: list[str] = []
-    lineno = 0
-    buf = bytearray(2 * _CHUNK)
-    filled = 0  # valid bytes in buf
-    base = 0  # file offset of buf[0]
     with open(path, "rb", buffering=0) as f:
-        while True:
-            if len(buf) - filled < _CHUNK:  # a line longer than the buffer: grow it
-                buf.extend(bytes(len(buf)))
-            n = f.readinto(memoryview(buf)[filled : filled + _CHUNK])
-            filled += n or 0
-            last = not n
-            pos = 0
-            while pos < filled:
-                nl = buf.find(b"\n", pos, filled)
-                if nl < 0 and not last:
-                    break  # the rest of this line comes with the next chunk
-                end = filled if nl < 0 else nl
-                lineno += 1
-                if end - pos > 64 or buf[pos:end].strip():  # skip blank lines
-                    try:
-                        report = _summary(buf, pos, end)
-                    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                        what = "truncated last line" if nl < 0 else "unreadable line"
-                        warned.append(f"{path}:{lineno}: skipping {what} ({exc})")
-                    else:
-                        out.append(report)
-                        spans.append((base + pos, base + end))
-                pos = end + 1
-            if last:
-                break
-            keep = filled - pos
-            if keep > 0:
-                buf[:keep] = buf[pos:filled]
-            base += pos
-            filled = max(keep, 0)
+        _scan_range(f, path, 0, None, 0, out, spans, warned)
     return out, spans, warned
+
+
+def _scan_range(f: Any, path: str, start: int, stop: int | None, lineno: int, out: list[StepReport],
+                spans: list[tuple[int, int]], warned: list[str]) -> int:
+    """Scan the lines of ``f`` (unbuffered) from byte ``start`` (a line start) to ``stop`` (a line
+    end + 1, or None: the end of the file) into ``out`` / ``spans`` / ``warned``, numbering lines
+    after ``lineno``; returns the last line number."""
+    left = None if stop is None else stop - start
+    chunk = _CHUNK if left is None else max(1, min(_CHUNK, left))
+    buf = bytearray(2 * chunk)
+    filled = 0  # valid bytes in buf
+    base = start  # file offset of buf[0]
+    f.seek(start)
+    while True:
+        if len(buf) - filled < chunk:  # a line longer than the buffer: grow it
+            buf.extend(bytes(len(buf)))
+        want = chunk if left is None else min(chunk, left)
+        n = f.readinto(memoryview(buf)[filled : filled + want]) if want else 0
+        if left is not None:
+            left -= n or 0
+        filled += n or 0
+        last = not n
+        pos = 0
+        while pos < filled:
+            nl = buf.find(b"\n", pos, filled)
+            if nl < 0 and not last:
+                break  # the rest of this line comes with the next chunk
+            end = filled if nl < 0 else nl
+            lineno += 1
+            if end - pos > 64 or buf[pos:end].strip():  # skip blank lines
+                try:
+                    report = _summary(buf, pos, end)
+                except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                    what = "truncated last line" if nl < 0 else "unreadable line"
+                    warned.append(f"{path}:{lineno}: skipping {what} ({exc})")
+                else:
+                    out.append(report)
+                    spans.append((base + pos, base + end))
+            pos = end + 1
+        if last:
+            break
+        keep = filled - pos
+        if keep > 0:
+            buf[:keep] = buf[pos:filled]
+        base += pos
+        filled = max(keep, 0)
+    return lineno
+
+
+def _from_index(path: str, progress: Progress) -> _Scanned | None:
+    """The scan of ``path`` from its side index (see the module doc), or None when the file has
+    no usable index (then it is scanned whole; a note says why)."""
+    ipath = index_path(path)
+    try:
+        with open(ipath, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        progress(f"{path}: no index ({os.path.basename(ipath)}); reading the whole file")
+        return None
+    except OSError as exc:
+        warnings.warn(f"{ipath}: cannot read the index ({exc}); reading the whole data file", RuntimeWarning,
+                      stacklevel=3)
+        return None
+    try:
+        size = os.path.getsize(path)
+        entries = _parse_index(raw, size)
+        with open(path, "rb", buffering=0) as f:
+            n = len(entries)
+            for k in sorted({n * i // _SPOT_CHECKS for i in range(_SPOT_CHECKS)} | {n - 1} if n else set()):
+                _check_entry(f, *entries[k])
+            out: list[StepReport] = []
+            spans: list[tuple[int, int]] = []
+            warned: list[str] = []
+            lineno = 0
+            pos = 0
+            gap_bytes = 0
+            for off, length, report in entries:
+                if off > pos:  # lines the index does not cover: scan them
+                    gap_bytes += off - pos
+                    lineno = _scan_range(f, path, pos, off, lineno, out, spans, warned)
+                out.append(report)
+                spans.append((off, off + length - 1))
+                lineno += 1
+                pos = off + length
+            if pos < size:
+                gap_bytes += size - pos
+                _scan_range(f, path, pos, None, lineno, out, spans, warned)
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
+        warnings.warn(f"{ipath}: index does not fit its data file ({exc}); reading the whole data file",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    if gap_bytes:
+        progress(f"{path}: {gap_bytes / 1e6:.1f} MB not in its index (lines written without an index entry); "
+                 "read those")
+    return out, spans, warned
+
+
+#: index entries compared with their data lines before the index is trusted (first, last, evenly spaced)
+_SPOT_CHECKS = 8
+_TAIL_BYTES = 64 * 1024
+_TAIL_KEYS = ("peak", "rank", "step", "world_size", "timestamp", "start_time_ns", "end_time_ns")
+
+
+def _check_entry(f: Any, off: int, length: int, report: StepReport) -> None:
+    """ValueError unless the data line at ``off`` (``length`` bytes, newline included) starts and
+    ends at line boundaries and its step-level tail (from its last ``"peak"``) equals the entry's."""
+    if off > 0:
+        f.seek(off - 1)
+        if f.read(1) != b"\n":
+            raise ValueError(f"entry at byte {off} does not start a line")
+    start = max(off, off + length - _TAIL_BYTES)
+    f.seek(start)
+    tail = f.read(off + length - start)
+    if not tail.endswith(b"\n"):
+        raise ValueError(f"entry at byte {off} does not end at a line end")
+    j = tail.rfind(_TAIL_START)
+    if j < 0:
+        raise ValueError(f"line at byte {off} is not in the exporter's layout")
+    data = json.loads(b"{" + tail[j:])
+    mine = report.to_dict()
+    if any(data.get(k) != mine[k] for k in _TAIL_KEYS if k in data):
+        raise ValueError(f"entry at byte {off} (rank {report.rank}, step {report.step}) differs from its data line")
+
+
+def _index_report(d: dict[str, Any]) -> StepReport:
+    """``StepReport.from_dict`` of an index entry's fields (no modules), without its defensive
+    copies: the dicts come fresh from json, and the byte counts in them are JSON integers (checked)."""
+    peak, current = d["peak"], d.get("current", {})
+    for b in (peak, current):
+        for cats in b.values():
+            for v in cats.values():
+                if type(v) is not int:
+                    raise TypeError(f"byte count {v!r} is not an integer")
+    return StepReport(
+        step=int(d["step"]), rank=int(d["rank"]), world_size=int(d["world_size"]), mode=str(d["mode"]),
+        fsdp_version=int(d.get("fsdp_version", 0)), peak=peak, current=current, modules={}, module_order=[],
+        allocator={k: dict(v) for k, v in d.get("allocator", {}).items()}, local_rank=int(d.get("local_rank", 0)),
+        duration_seconds=float(d.get("duration_seconds", 0.0)),
+        tracker_overhead_seconds=float(d.get("tracker_overhead_seconds", 0.0)),
+        errors_total=int(d.get("errors_total", 0)), timestamp=float(d.get("timestamp", 0.0)),
+        start_time_ns=int(d.get("start_time_ns", 0)), end_time_ns=int(d.get("end_time_ns", 0)),
+        aborted=None if d.get("aborted") is None else StepAbort.from_dict(d["aborted"]),
+    )
+
+
+def _parse_index(raw: bytes, size: int) -> list[tuple[int, int, StepReport]]:
+    """(offset, length, step-level report) of each entry; ValueError if they do not fit a data file
+    of ``size`` bytes (past its end, out of order, overlapping). A torn last entry is skipped."""
+    lines = raw.split(b"\n")
+    torn = lines.pop()  # b"" when the index ends with a newline, else a last entry cut short
+    entries: list[tuple[int, int, StepReport]] = []
+    end = 0
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            e = json.loads(line)
+        except ValueError as exc:
+            raise ValueError(f"entry {i + 1} does not parse ({exc})") from None
+        off, length, data = e["offset"], e["length"], e["report"]
+        if not (type(off) is int and type(length) is int and isinstance(data, dict)) or off < end or length < 1:
+            raise ValueError(f"entry {i + 1}: bad or out-of-order offset/length ({off!r}, {length!r})")
+        end = off + length
+        if end > size:
+            raise ValueError(f"entry {i + 1} ends at byte {end}, past the end of the data file ({size} bytes)")
+        entries.append((off, length, _index_report(data)))
+    del torn  # skipped: its data line (if complete) is read from the data file as not indexed
+    return entries
 
 
 # -- charts --------------------------------------------------------------------------------------

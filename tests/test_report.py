@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fsdp_mem_otel.exporters.jsonl import read_reports
+from fsdp_mem_otel import report as report_mod
+from fsdp_mem_otel.exporters.jsonl import JSONLExporter, read_reports, rotated_files
 from fsdp_mem_otel.model import CATEGORIES, STATES, TOTAL, ModuleReport, StepAbort, StepReport
 from fsdp_mem_otel.report import (
     RunIndex,
@@ -29,6 +30,7 @@ from fsdp_mem_otel.report import (
     module_snapshots,
     render_html,
     report_main,
+    scan_files,
     step_figure,
 )
 
@@ -417,6 +419,17 @@ def test_real_fsdp2_run_report(tmp_path: Path) -> None:
     assert deep and all(tr["x"] == [2, 4, 6] for tr in deep)
     assert "rank 0: step 3 aborted (RuntimeError) in layers.1" in text
 
+    # the side index gives the same page as a full scan of the same run without it
+    assert all(Path(str(f) + ".index").is_file() for f in files)
+    plain = tmp_path / "no_index"
+    plain.mkdir()
+    for f in files:
+        shutil.copy(f, plain / f.name)
+    out2 = plain / "report.html"
+    assert report_main([*(str(plain / f.name) for f in files), "-o", str(out2), "--step", "3", "-q"]) == 0
+    assert out2.read_text() == text
+    assert_same_scan(scan_files([str(plain / f.name) for f in files]), scan_files(list(map(str, files))))
+
     assert CHROMIUM is not None, "no chromium on PATH: scripts/setup.sh installs Debian's chromium package"
     png = tmp_path / "report.png"
     screenshot(out, png)
@@ -424,6 +437,174 @@ def test_real_fsdp2_run_report(tmp_path: Path) -> None:
     if os.environ.get("FSDP_MEM_OTEL_KEEP_SCREENSHOT"):
         shutil.copy(png, os.environ["FSDP_MEM_OTEL_KEEP_SCREENSHOT"])
         shutil.copy(out, os.environ["FSDP_MEM_OTEL_KEEP_SCREENSHOT"] + ".html")
+
+
+# -- side index ----------------------------------------------------------------------------------
+def assert_same_scan(a: RunIndex, b: RunIndex) -> None:
+    """Same step-level reports and the same line locations: the two RunIndexes draw the same page."""
+    assert a.by_rank == b.by_rank
+    assert a.duplicates == b.duplicates
+    assert {k: (os.path.basename(w.path), w.start, w.end) for k, w in a._where.items()} == \
+        {k: (os.path.basename(w.path), w.start, w.end) for k, w in b._where.items()}
+
+
+def exported_run(tmp_path: Path, steps: int = 14, max_bytes: int = 0) -> list[Path]:
+    """A 2-rank run written by JSONLExporter (with its side index), one file per rank."""
+    files = []
+    for rk in (0, 1):
+        path = tmp_path / f"run.rank{rk}.jsonl"
+        exp = JSONLExporter(path, max_bytes=max_bytes, backup_count=9)
+        for s in range(1, steps + 1):
+            exp.export(synthetic(s, rk, aborted=(s == 5)))
+        exp.shutdown()
+        assert exp.errors_total == 0
+        files.append(path)
+    return files
+
+
+def without_index(files: list[Path], dest: Path) -> list[Path]:
+    dest.mkdir()
+    for f in files:
+        for part in rotated_files(f):
+            shutil.copy(part, dest / os.path.basename(part))
+    return [dest / f.name for f in files]
+
+
+def page(files: list[Path], out: Path) -> str:
+    assert report_main([*map(str, files), "-o", str(out), "--step", "4", "--rank", "1", "--max-points", "5",
+                        "-q"]) == 0
+    return out.read_text()
+
+
+def test_index_page_equals_full_scan_page(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    files = exported_run(tmp_path / "idx", max_bytes=3 * (len(synthetic(1, 0).to_json()) + 1))  # rotated
+    assert all(Path(p + ".index").is_file() for f in files for p in rotated_files(f))
+    assert len(rotated_files(files[0])) == 5
+    plain = without_index(files, tmp_path / "plain")
+    expected = page(plain, tmp_path / "plain" / "r.html")
+    # with the index the data files are only read at the chosen steps' lines (and spot checks)
+    scanned: list[str] = []
+    real_range = report_mod._scan_range
+    monkeypatch.setattr(report_mod, "_scan_range", lambda f, path, *a: scanned.append(path) or real_range(f, path, *a))
+    assert page(files, tmp_path / "idx" / "r.html") == expected
+    assert scanned == []
+    check_page_against_jsonl(expected, raw_lines(*(p for f in plain for p in rotated_files(f))))
+    assert_same_scan(scan_files(list(map(str, files))), scan_files(list(map(str, plain))))
+
+
+def _drop_last(text: str) -> str:
+    return "".join(text.splitlines(keepends=True)[:-3])
+
+
+def _torn(text: str) -> str:
+    return text[: len(text) - 40]
+
+
+def _garbage_middle(text: str) -> str:
+    lines = text.splitlines(keepends=True)
+    lines[4] = "{not json\n"
+    return "".join(lines)
+
+
+def _past_end(text: str) -> str:
+    lines = text.splitlines(keepends=True)
+    e = json.loads(lines[-1])
+    e["offset"] += 10**6
+    return "".join(lines[:-1]) + json.dumps(e) + "\n"
+
+
+def _out_of_order(text: str) -> str:
+    lines = text.splitlines(keepends=True)
+    lines[2], lines[3] = lines[3], lines[2]
+    return "".join(lines)
+
+
+def _shifted(text: str) -> str:  # every entry one byte off
+    out = []
+    for line in text.splitlines():
+        e = json.loads(line)
+        e["offset"] += 1
+        out.append(json.dumps(e) + "\n")
+    return "".join(out)
+
+
+def _other_step(text: str) -> str:  # an entry whose fields do not match its line (a stale index)
+    lines = text.splitlines(keepends=True)
+    e = json.loads(lines[-1])
+    e["report"]["step"] += 100
+    return "".join(lines[:-1]) + json.dumps(e) + "\n"
+
+
+@pytest.mark.parametrize(("name", "corrupt", "warns"), [
+    ("missing", None, False),
+    ("truncated", _drop_last, False),
+    ("torn last entry", _torn, False),
+    ("empty", lambda t: "", False),
+    ("garbage entry", _garbage_middle, True),
+    ("past the end", _past_end, True),
+    ("out of order", _out_of_order, True),
+    ("shifted", _shifted, True),
+    ("stale fields", _other_step, True),
+])
+def test_bad_index_falls_back_with_same_page(tmp_path: Path, name: str, corrupt: Any, warns: bool) -> None:
+    files = exported_run(tmp_path / "idx")
+    plain = without_index(files, tmp_path / "plain")
+    expected_scan = scan_files(list(map(str, plain)))
+    expected = page(plain, tmp_path / "plain" / "r.html")
+    ipath = Path(str(files[0]) + ".index")
+    if corrupt is None:
+        ipath.unlink()
+    else:
+        ipath.write_text(corrupt(ipath.read_text()))
+    notes: list[str] = []
+    import warnings as w
+
+    with w.catch_warnings(record=True) as caught:
+        w.simplefilter("always")
+        got = scan_files(list(map(str, files)), progress=notes.append)
+    assert_same_scan(got, expected_scan)
+    msgs = [str(c.message) for c in caught]
+    if warns:
+        assert len(msgs) == 1 and "index does not fit its data file" in msgs[0], msgs
+    else:
+        assert msgs == []
+    if corrupt is None:
+        assert any("no index" in n for n in notes)
+    assert page(files, tmp_path / "idx" / "r.html") == expected
+    proc = subprocess.run([sys.executable, "-m", "fsdp_mem_otel.report", *map(str, files), "-o",
+                           str(tmp_path / "cli.html")], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    if warns:
+        assert "index does not fit its data file" in proc.stderr  # the stderr note
+    elif corrupt is None:
+        assert "no index" in proc.stderr
+
+
+def test_lines_without_index_entries_are_scanned(tmp_path: Path) -> None:
+    """Lines the index misses (an index write failed, a crash between data and index write, a torn
+    data line) are read from the data file; the rest still comes from the index."""
+    files = exported_run(tmp_path / "idx")
+    ipath = Path(str(files[1]) + ".index")
+    lines = ipath.read_text().splitlines(keepends=True)
+    ipath.write_text("".join(lines[:3] + lines[5:-1]))  # entries 4, 5 and the last one lost
+    with open(files[1], "a") as f:
+        f.write(synthetic(99, 1).to_json()[:300])  # a crash mid-line
+    plain = without_index(files, tmp_path / "plain")
+    with pytest.warns(RuntimeWarning, match=r"run\.rank1\.jsonl:15: skipping truncated last line"):
+        expected = scan_files(list(map(str, plain)))
+    notes: list[str] = []
+    with pytest.warns(RuntimeWarning, match=r"run\.rank1\.jsonl:15: skipping truncated last line"):
+        got = scan_files(list(map(str, files)), progress=notes.append)
+    assert_same_scan(got, expected)
+    assert any("not in its index" in n for n in notes)
+
+
+def test_index_files_given_as_paths_are_skipped(tmp_path: Path) -> None:
+    files = exported_run(tmp_path)
+    idx = [str(f) + ".index" for f in files]
+    assert_same_scan(scan_files([*map(str, files), *idx]), scan_files(list(map(str, files))))
+    with pytest.raises(ValueError, match="only side index files"):
+        scan_files(idx)
 
 
 def test_build_report_in_memory_renders() -> None:

@@ -12,8 +12,20 @@ Why not ``RotatingFileHandler`` itself: it reports write failures only through
 and we need each failure counted in ``errors_total``, logged once per outage, and the file
 reopened when the fault clears (disk full, directory gone read-only, NFS hiccup).
 
+Side index: for every line written to a data file, one compact JSON line is appended to
+``<data file>.index`` (``run.jsonl.index``, rotated with its data file: ``run.jsonl.1.index``,
+...): ``{"length": L, "offset": O, "report": {...}}`` where ``report`` is the line's
+``StepReport.to_dict()`` without ``modules`` and ``module_order`` (the step-level fields) and
+``offset`` / ``length`` locate the full line (its newline included) in the data file. The index
+line is written only after the data line is complete, so an entry never points at a partial line;
+a crash can leave the index one entry short or its last line torn, never ahead of the data.
+``fsdp-mem-otel report`` reads the index instead of the (large) data file when it is consistent,
+and falls back to reading the data file otherwise. Index write failures are counted in
+``errors_total`` like data write failures and never raise.
+
 ``read_reports(path)`` reads a file back, with its rotated predecessors first when given the base
-path; a line cut short by a crash or a full disk is skipped with a warning.
+path; a line cut short by a crash or a full disk is skipped with a warning. Index files are not
+step reports: they are never picked up as rotated files, and one given by name is ignored.
 """
 
 from __future__ import annotations
@@ -39,8 +51,29 @@ DEFAULT_BACKUP_COUNT = 5
 DEFAULT_MAX_QUEUE = 1000
 #: ``{rank}`` in the path is replaced by the report's rank (one file per rank from one code path)
 RANK_PLACEHOLDER = "{rank}"
+#: suffix of a data file's side index (``run.jsonl`` -> ``run.jsonl.index``)
+INDEX_SUFFIX = ".index"
+#: top-level keys of a StepReport dict left out of its index entry (the bulk of the line)
+INDEX_OMITS = ("modules", "module_order")
 _FILE_MODE = 0o644
 _STOP = object()
+
+
+def index_path(path: str) -> str:
+    """The side index of data file ``path``."""
+    return path + INDEX_SUFFIX
+
+
+def is_index_path(path: str | os.PathLike[str]) -> bool:
+    return os.fspath(path).endswith(INDEX_SUFFIX)
+
+
+def index_line(report_dict: dict[str, Any], offset: int, length: int) -> bytes:
+    """The index entry (one line, newline included) of a data line written at byte ``offset``
+    with ``length`` bytes (its newline included) from ``report_dict`` (``StepReport.to_dict()``)."""
+    summary = {k: v for k, v in report_dict.items() if k not in INDEX_OMITS}
+    entry = {"length": length, "offset": offset, "report": summary}
+    return (json.dumps(entry, sort_keys=True, separators=(",", ":")) + "\n").encode("utf-8")
 
 
 def _check_path(name: str, value: object) -> str:
@@ -71,6 +104,7 @@ class JSONLExporter:
             is simply restarted when full.
         max_queue: reports waiting for the writer thread at most; beyond that a report is
             dropped and counted (``dropped_total`` and ``errors_total``).
+        index: also write the side index ``<file>.index`` (see the module doc).
 
     I/O failures never raise into training: each failed line is counted in ``errors_total``,
     the first of an outage is logged (and the recovery), and the next report retries.
@@ -85,17 +119,22 @@ class JSONLExporter:
         max_bytes: int = DEFAULT_MAX_BYTES,
         backup_count: int = DEFAULT_BACKUP_COUNT,
         max_queue: int = DEFAULT_MAX_QUEUE,
+        index: bool = True,
     ) -> None:
         self.path_template = _check_path("path", path)
         self.max_bytes = _check_int("max_bytes", max_bytes, 0)
         self.backup_count = _check_int("backup_count", backup_count, 0)
         self.max_queue = _check_int("max_queue", max_queue, 1)
+        if not isinstance(index, bool):
+            raise TypeError(f"index must be a bool; got {type(index).__name__}")
+        self.index = index
         self.path: str | None = None if RANK_PLACEHOLDER in self.path_template else self.path_template
         self.errors_total = 0
         self.dropped_total = 0
         self.lines_total = 0
         self._file: Any = None  # raw (unbuffered) binary file, or None when closed / after a failure
         self._size = 0
+        self._index_file: Any = None  # raw binary file of the side index, or None
         self._failing = False
         self._closed = False
         self._queue: queue.Queue[object] = queue.Queue(maxsize=self.max_queue)
@@ -181,16 +220,25 @@ class JSONLExporter:
                     self._cond.notify_all()
 
     def _write_report(self, report: StepReport) -> None:
-        line = (json.dumps(report.to_dict(), sort_keys=True) + "\n").encode("utf-8")
+        data = report.to_dict()
+        line = (json.dumps(data, sort_keys=True) + "\n").encode("utf-8")
         if self.path is None:
             self.path = self.path_template.replace(RANK_PLACEHOLDER, str(int(report.rank)))
         try:
-            self._write_line(self.path, line)
+            offset = self._write_line(self.path, line)
         except OSError:
             self._close_file()
             self._count_error(f"cannot write {self.path}")
             return
         self.lines_total += 1
+        if self.index:
+            # only now: the data line is complete, so the entry never points at a partial line
+            try:
+                self._write_index(self.path, index_line(data, offset, len(line)))
+            except OSError:
+                self._close_index()
+                self._count_error(f"cannot write {index_path(self.path)}")
+                return
         if self._failing:
             self._failing = False
             logger.warning("fsdp_mem_otel: JSONL export to %s recovered", self.path)
@@ -202,18 +250,32 @@ class JSONLExporter:
             self._failing = True
             logger.exception("fsdp_mem_otel: %s (counted in errors_total; retrying at every step)", what)
 
-    def _write_line(self, path: str, line: bytes) -> None:
+    def _write_line(self, path: str, line: bytes) -> int:
+        """Append ``line`` to the data file (rotating first if due); returns its offset."""
         if self._file is None:
             self._open(path)
         if self.max_bytes and self._size > 0 and self._size + len(line) > self.max_bytes:
             self._rotate(path)
-        view = memoryview(line)
-        while view:
-            n = self._file.write(view)
-            if not n:
-                raise OSError("short write")
-            self._size += n
-            view = view[n:]
+        offset = self._size
+        _write_all(self._file, line, self)
+        return offset
+
+    def _write_index(self, path: str, entry: bytes) -> None:
+        if self._index_file is None:
+            ipath = index_path(path)
+            f = open(ipath, "ab", buffering=0)
+            try:
+                size = f.seek(0, os.SEEK_END)
+                if size > 0:
+                    with open(ipath, "rb") as r:  # a torn last entry must not swallow this one
+                        r.seek(size - 1)
+                        if r.read(1) != b"\n":
+                            f.write(b"\n")
+            except BaseException:
+                f.close()
+                raise
+            self._index_file = f
+        _write_all(self._index_file, entry, None)
 
     def _open(self, path: str) -> None:
         parent = os.path.dirname(path)
@@ -234,15 +296,18 @@ class JSONLExporter:
         self._file, self._size = f, size
 
     def _rotate(self, path: str) -> None:
+        """Data file and index move together: ``path.i`` and ``path.i.index`` -> ``path.i+1`` and
+        ``path.i+1.index``; a data file moved without an index leaves none behind at its target."""
         self._close_file()
         if self.backup_count > 0:
             for i in range(self.backup_count - 1, 0, -1):
                 src = f"{path}.{i}"
                 if os.path.exists(src):
-                    os.replace(src, f"{path}.{i + 1}")
-            os.replace(path, f"{path}.1")
+                    _move_pair(src, f"{path}.{i + 1}")
+            _move_pair(path, f"{path}.1")
         else:
             os.remove(path)
+            _remove_if_exists(index_path(path))
         self._open(path)
 
     def _close_file(self) -> None:
@@ -252,6 +317,42 @@ class JSONLExporter:
                 f.close()
             except OSError:
                 pass
+        self._close_index()
+
+    def _close_index(self) -> None:
+        f, self._index_file = self._index_file, None
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+def _write_all(f: Any, data: bytes, exporter: JSONLExporter | None) -> None:
+    """Write all of ``data`` to the unbuffered file ``f`` (adding to ``exporter._size``)."""
+    view = memoryview(data)
+    while view:
+        n = f.write(view)
+        if not n:
+            raise OSError("short write")
+        if exporter is not None:
+            exporter._size += n
+        view = view[n:]
+
+
+def _remove_if_exists(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _move_pair(src: str, dst: str) -> None:
+    os.replace(src, dst)
+    if os.path.exists(index_path(src)):
+        os.replace(index_path(src), index_path(dst))
+    else:
+        _remove_if_exists(index_path(dst))  # a stale index must not pair with other data
 
 
 # -- reading back ------------------------------------------------------------------------------
@@ -282,11 +383,15 @@ def read_reports(*paths: str | os.PathLike[str]) -> Iterator[StepReport]:
     Each path is read with its rotated predecessors (``path.N`` .. ``path.1``, oldest first)
     when it has any; a path that is itself a rotated file (``run.jsonl.2``) is read alone. A
     line that does not parse (the last one cut short by a crash, or one left by a write that
-    failed midway) is skipped with a warning. Raises FileNotFoundError for a path with no files.
+    failed midway) is skipped with a warning. Side index files (``*.index``) given among the
+    paths are ignored. Raises FileNotFoundError for a path with no files.
     """
     if not paths:
         raise ValueError("paths: give at least one JSONL file")
     checked = [_check_path(f"paths[{i}]", p) for i, p in enumerate(paths)]
+    checked = [p for p in checked if not is_index_path(p)]
+    if not checked:
+        raise ValueError("paths: only side index files (*.index) given; give the JSONL files")
     files: list[str] = []
     for p in checked:
         found = rotated_files(p)

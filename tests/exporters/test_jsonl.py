@@ -39,6 +39,27 @@ def make_report(step: int, rank: int = 0, n_modules: int = 3, aborted: bool = Fa
     )
 
 
+def index_entries(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(str(path) + ".index").read_text().splitlines() if line.strip()]
+
+
+def assert_index_matches(path: Path) -> None:
+    """Every line of the data file has one index entry, in order, locating it exactly and holding
+    its step-level fields (everything but modules and module_order)."""
+    data = Path(path).read_bytes()
+    entries = index_entries(path)
+    pos = 0
+    lines = data.split(b"\n")[:-1]
+    assert len(entries) == len(lines)
+    for e, line in zip(entries, lines, strict=True):
+        assert (e["offset"], e["length"]) == (pos, len(line) + 1)
+        assert data[e["offset"] : e["offset"] + e["length"]] == line + b"\n"
+        full = json.loads(line)
+        assert e["report"] == {k: v for k, v in full.items() if k not in ("modules", "module_order")}
+        pos += len(line) + 1
+    assert pos == len(data)
+
+
 def export_all(exp: JSONLExporter, reports: list[StepReport]) -> None:
     for r in reports:
         exp.export(r)
@@ -57,6 +78,7 @@ def test_round_trip(tmp_path: Path) -> None:
     assert list(read_reports(str(path))) == reports
     assert (exp.errors_total, exp.lines_total) == (0, 3)
     exp.shutdown()
+    assert_index_matches(path)
 
 
 def test_each_line_is_on_disk_after_export(tmp_path: Path) -> None:
@@ -94,9 +116,12 @@ def test_rotation_by_size(tmp_path: Path) -> None:
     reports = [make_report(s) for s in range(1, 11)]
     export_all(exp, reports)
     exp.shutdown()
-    assert sorted(os.listdir(tmp_path)) == ["run.jsonl", "run.jsonl.1", "run.jsonl.2"]
+    assert sorted(os.listdir(tmp_path)) == ["run.jsonl", "run.jsonl.1", "run.jsonl.1.index", "run.jsonl.2",
+                                            "run.jsonl.2.index", "run.jsonl.index"]
     for name in os.listdir(tmp_path):
         assert os.path.getsize(tmp_path / name) <= line * 2.5
+    for name in ("run.jsonl", "run.jsonl.1", "run.jsonl.2"):  # each index describes its own data file
+        assert_index_matches(tmp_path / name)
     assert rotated_files(path) == [str(path) + ".2", str(path) + ".1", str(path)]
     # 2 lines per file: steps 5-6 (.2), 7-8 (.1), 9-10 (base), oldest first
     assert [r.step for r in read_reports(path)] == [5, 6, 7, 8, 9, 10]
@@ -110,8 +135,9 @@ def test_rotation_without_backups_restarts_file(tmp_path: Path) -> None:
     exp = JSONLExporter(path, max_bytes=int(line * 2.5), backup_count=0)
     export_all(exp, [make_report(s) for s in range(1, 6)])
     exp.shutdown()
-    assert os.listdir(tmp_path) == ["run.jsonl"]
+    assert sorted(os.listdir(tmp_path)) == ["run.jsonl", "run.jsonl.index"]
     assert [r.step for r in read_reports(path)] == [5]
+    assert_index_matches(path)
 
 
 def test_line_larger_than_cap_gets_own_file(tmp_path: Path) -> None:
@@ -305,3 +331,66 @@ def test_real_fsdp2_run_round_trips(tmp_path: Path) -> None:
         assert [r.to_dict() for r in read] == [r.to_dict() for r in reports]
         assert [r.rank for r in read] == [rank] * 3 and [r.step for r in read] == [1, 2, 3]
         assert all(r.modules for r in read)  # real per-module snapshots made the trip
+
+
+# -- side index --------------------------------------------------------------------------------
+def test_index_continues_when_appending(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    for steps in ((1, 2), (3,)):
+        exp = JSONLExporter(path)
+        export_all(exp, [make_report(s) for s in steps])
+        exp.shutdown()
+    assert_index_matches(path)
+    assert [e["report"]["step"] for e in index_entries(path)] == [1, 2, 3]
+
+
+def test_index_paired_through_rotation_and_stale_index_dropped(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    line = len(make_report(1).to_json()) + 1
+    Path(str(path) + ".2.index").write_text("stale\n")  # an index without its data file
+    exp = JSONLExporter(path, max_bytes=int(line * 1.5), backup_count=3)
+    export_all(exp, [make_report(s) for s in range(1, 4)])
+    exp.shutdown()
+    for p in rotated_files(path):
+        assert_index_matches(Path(p))
+    assert [index_entries(Path(p))[0]["report"]["step"] for p in rotated_files(path)] == [1, 2, 3]
+
+
+def test_read_reports_ignores_index_files(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    reports = [make_report(s) for s in range(1, 4)]
+    exp = JSONLExporter(path)
+    export_all(exp, reports)
+    exp.shutdown()
+    assert rotated_files(path) == [str(path)]
+    assert list(read_reports(path, str(path) + ".index")) == reports
+    with pytest.raises(ValueError, match="only side index files"):
+        list(read_reports(str(path) + ".index"))
+
+
+def test_index_write_failure_counted_never_raises(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "run.jsonl"
+    blocker = Path(str(path) + ".index")
+    blocker.mkdir()  # the index cannot be opened
+    exp = JSONLExporter(path)
+    with caplog.at_level(logging.WARNING, logger="fsdp_mem_otel"):
+        export_all(exp, [make_report(1), make_report(2)])
+        assert (exp.errors_total, exp.lines_total) == (2, 2)  # the data lines are written all the same
+        blocker.rmdir()
+        export_all(exp, [make_report(3)])
+    exp.shutdown()
+    assert (exp.errors_total, exp.lines_total) == (2, 3)
+    assert [r.step for r in read_reports(path)] == [1, 2, 3]
+    line = len(make_report(1).to_json()) + 1
+    assert [(e["report"]["step"], e["offset"]) for e in index_entries(path)] == [(3, 2 * line)]
+    assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
+
+
+def test_index_can_be_turned_off(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    exp = JSONLExporter(path, index=False)
+    export_all(exp, [make_report(1)])
+    exp.shutdown()
+    assert os.listdir(tmp_path) == ["run.jsonl"]
+    with pytest.raises(TypeError):
+        JSONLExporter(path, index=1)  # type: ignore[arg-type]
