@@ -125,6 +125,7 @@ class FSDPMemoryTracker:
         self._ac_key: str | None = None
 
         self.errors_total = 0
+        self._own_errors = 0  # errors_total without exporter failures: what max_errors limits
         self.steps_completed = 0
         self.attached = False
         self.disabled = False
@@ -253,7 +254,8 @@ class FSDPMemoryTracker:
             try:
                 exporter.export(report)
             except Exception as exc:  # noqa: BLE001 - an exporter must not break training
-                self.report_error(exc)
+                # counted and logged, but a failing exporter does not switch measuring off
+                self.report_error(exc, may_disable=False)
         if self.attached:
             self._begin_step()
         return report
@@ -447,15 +449,18 @@ class FSDPMemoryTracker:
         except Exception as exc:  # noqa: BLE001
             self.report_error(exc)
 
-    def report_error(self, exc: BaseException) -> None:
-        """Count an internal failure, log it once per kind, and detach after too many."""
+    def report_error(self, exc: BaseException, may_disable: bool = True) -> None:
+        """Count an internal failure, log it once per kind, and detach after too many
+        (``max_errors``) of the tracker's own; exporter failures pass ``may_disable=False``."""
         self.errors_total += 1
         where = f"{type(exc).__name__}@{_origin(exc)}"
         if where not in self._logged_errors:
             self._logged_errors.add(where)
             logger.error("fsdp_mem_otel internal error (training continues): %r", exc, exc_info=exc)
+        if may_disable:
+            self._own_errors += 1
         limit = self.config.max_errors
-        if limit and self.errors_total >= limit and not self.disabled:
+        if limit and self._own_errors >= limit and not self.disabled:
             self.disabled = True
             logger.error("fsdp_mem_otel: %d internal errors, tracker disabled itself", self.errors_total)
             try:

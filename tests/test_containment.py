@@ -25,3 +25,4 @@ def test_tracker_disables_itself_after_max_errors() -> None:
     for res in run_ranks(workers.disable_after_errors, {"fsdp": 2}):
         assert res["disabled"] and not res["attached"]
         assert res["errors_total"] >= 5
+        assert res["exporter_broken"] == [False, 5]  # counted, but measuring stays on

@@ -271,7 +271,15 @@ def disable_after_errors(opts_dict: dict[str, Any]) -> dict[str, Any]:
     for step in range(3):
         train_step(model, opt, make_batch(step, BATCH, WIDTH, rank))
         tracker.step()
-    return {"disabled": tracker.disabled, "attached": tracker.attached, "errors_total": tracker.errors_total}
+    # a broken exporter, however often it fails, does not switch measuring off
+    exporter_broken = FSDPMemoryTracker(model, opt, config=TrackerConfig(max_errors=3),
+                                        exporters=[_FlakyExporter(fail_steps=10**6)]).attach()
+    for step in range(5):
+        train_step(model, opt, make_batch(step, BATCH, WIDTH, rank))
+        exporter_broken.step()
+    exporter_broken.detach()
+    return {"disabled": tracker.disabled, "attached": tracker.attached, "errors_total": tracker.errors_total,
+            "exporter_broken": [exporter_broken.disabled, exporter_broken.errors_total]}
 
 
 def as_dict(opts: WrapOptions) -> dict[str, Any]:
