@@ -9,8 +9,8 @@ deep, light with deep_every=100, and upstream FSDPMemTracker (entered per step, 
 step, which is what it takes to run it for more than one iteration). Models: dispatch-bound
 (blocks of width 64, where per-op cost dominates as on a GPU) at 16 and 64 blocks, and
 compute-bound (4 blocks of width 1024). deep_every=100 is timed over 100 consecutive steps per
-round (one of them deep) and averaged, so its figure is the amortized cost. Prints the median
-step-time ratio to untracked per
+round (one of them deep), so its figure is the amortized cost. Prints the step-time ratio to
+untracked (median over rounds of each round's mean step time) per
 variant and checks the targets; ``--json PATH`` also writes the figures.
 """
 
@@ -99,8 +99,9 @@ def measure(model_name: str, rounds: int, steps: int, rank: int, log: Callable[[
             _time_steps(v, xs[:2])
     wall: dict[str, list[float]] = {v.name: [] for v in variants}
     cpu: dict[str, list[float]] = {v.name: [] for v in variants}
-    # deep_every=N is timed over N consecutive steps per round (exactly one of them deep) and
-    # averaged: its amortized cost. The others take the median of ``steps`` steps.
+    # deep_every=N is timed over N consecutive steps per round (exactly one of them deep): its
+    # amortized cost. Every variant takes the mean of its steps in a round (the same statistic for
+    # all, so the one deep step in N counts in full), then the median over rounds.
     sampled_xs = [xs[i % len(xs)] for i in range(DEEP_EVERY)]
     for r in range(rounds):
         order = variants if r % 2 == 0 else list(reversed(variants))
@@ -111,8 +112,8 @@ def measure(model_name: str, rounds: int, steps: int, rank: int, log: Callable[[
                 cpu[v.name].append(statistics.fmean(c))
             else:
                 w, c = _time_steps(v, xs)
-                wall[v.name].append(statistics.median(w))
-                cpu[v.name].append(statistics.median(c))
+                wall[v.name].append(statistics.fmean(w))
+                cpu[v.name].append(statistics.fmean(c))
         log(f"  {model_name}: round {r + 1}/{rounds}")
     base, cpu_base = statistics.median(wall["untracked"]), statistics.median(cpu["untracked"])
     ratios = {name: statistics.median(s) / base for name, s in wall.items()}
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {m: measure(m, args.rounds, args.steps, rank, log) for m in models}
     if rank == 0:
         print(f"world_size={world} torch={torch.__version__} rounds={args.rounds} steps={args.steps}")
-        print("step-time ratio to untracked (wall, barrier to barrier; median of per-round medians)")
+        print("step-time ratio to untracked (wall, barrier to barrier; median over rounds of per-round means)")
         print(f"{'model':<13} {'untracked ms':>12} " + " ".join(f"{v:>15}" for v in VARIANTS[1:]))
         for m, r in res.items():
             print(f"{m:<13} {r['untracked_step_ms']:>12.2f} " + " ".join(f"{r[v]:>14.3f}x" for v in VARIANTS[1:]))
