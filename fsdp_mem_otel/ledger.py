@@ -135,14 +135,10 @@ class Ledger:
     def refresh(self, t: torch.Tensor) -> None:
         """Re-read the sizes of ``t``'s storages (after ``resize_``), keeping their categories."""
         for st in storages_of(t):
-            entry = self._entries.get(id(st))
-            if entry is not None:
-                n = _nbytes(st, st.device.type)
-                if n != entry[2]:
-                    self._add(entry[0], entry[1], n - entry[2])
-                    entry[2] = n
+            self.refresh_storage(st)
 
     def refresh_storage(self, st: torch.UntypedStorage) -> None:
+        """Re-read one storage's size (deep mode's resize_ watch calls this)."""
         entry = self._entries.get(id(st))
         if entry is not None:
             n = _nbytes(st, st.device.type)
