@@ -15,6 +15,8 @@ ENV_DEEP_EVERY = "FSDP_MEM_OTEL_DEEP_EVERY"  # run every Nth step deep; 0 = neve
 ENV_MAX_ERRORS = "FSDP_MEM_OTEL_MAX_ERRORS"  # disable the tracker after this many internal errors
 ENV_ENABLED = "FSDP_MEM_OTEL_ENABLED"  # "0"/"false" turns the tracker into a no-op
 ENV_RESET_PEAKS = "FSDP_MEM_OTEL_RESET_PEAKS"  # "1": reset the CUDA allocator's peak counters each step
+ENV_ACTIVATIONS = "FSDP_MEM_OTEL_ACTIVATIONS"  # "0": light mode does not account saved activations
+ENV_DEEP_WHEN_COMPILED = "FSDP_MEM_OTEL_DEEP_WHEN_COMPILED"  # "skip" (default) or "eager"
 
 _ENV_FIELDS = {
     ENV_MODE: "mode",
@@ -22,7 +24,11 @@ _ENV_FIELDS = {
     ENV_MAX_ERRORS: "max_errors",
     ENV_ENABLED: "enabled",
     ENV_RESET_PEAKS: "reset_peaks",
+    ENV_ACTIVATIONS: "activations",
+    ENV_DEEP_WHEN_COMPILED: "deep_when_compiled",
 }
+#: What a deep step does on a model with torch.compile'd regions.
+DEEP_WHEN_COMPILED = ("skip", "eager")
 _C = TypeVar("_C")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -41,6 +47,13 @@ class TrackerConfig:
         reset_peaks: on CUDA, reset the allocator's peak counters at every step end to report its
             exact per-step peaks. Off by default: the tracker never touches the user's peaks and
             reports the maxima it sampled at FSDP hooks instead.
+        activations: light mode accounts the tensors autograd saves for backward during FSDP
+            forwards as ``activation`` (saved-tensor hooks; see activations.py). Turn off for
+            models that call ``torch.func`` transforms inside an FSDP module's forward.
+        deep_when_compiled: a deep step on a model with ``torch.compile``'d regions: "skip"
+            (default: the step stays light, compiled code keeps running compiled, and the report
+            says why) or "eager" (the step runs with compilation switched off, so deep mode sees
+            every op; the numerics of that step are then eager ones).
     """
 
     mode: str = "light"
@@ -48,17 +61,23 @@ class TrackerConfig:
     max_errors: int = 100
     enabled: bool = True
     reset_peaks: bool = False
+    activations: bool = True
+    deep_when_compiled: str = "skip"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        if self.deep_when_compiled not in DEEP_WHEN_COMPILED:
+            raise ValueError(
+                f"deep_when_compiled must be one of {', '.join(DEEP_WHEN_COMPILED)}; got {self.deep_when_compiled!r}"
+            )
         for name in ("deep_every", "max_errors"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int >= 0; got {type(value).__name__} {value!r}")
             if value < 0:
                 raise ValueError(f"{name} must be an int >= 0; got {value}")
-        for name in ("enabled", "reset_peaks"):
+        for name in ("enabled", "reset_peaks", "activations"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool; got {type(getattr(self, name)).__name__}")
 

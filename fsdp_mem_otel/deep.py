@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,49 +20,52 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_mem_otel.model import ACTIVATION, ALL_GATHER, OPTIMIZER_STATE, REDUCE_SCATTER, TEMP
+from fsdp_mem_otel.recorder import POST_BACKWARD, PRE_BACKWARD, PRE_FORWARD, StepContext
 
 if TYPE_CHECKING:
     from fsdp_mem_otel.ledger import Ledger
-    from fsdp_mem_otel.tracker import FSDPMemoryTracker
 
 logger = logging.getLogger("fsdp_mem_otel")
 _ALL_GATHER_OPS = frozenset({torch.ops.c10d._allgather_base_.default})
 _REDUCE_SCATTER_OPS = frozenset({torch.ops.c10d._reduce_scatter_base_.default})
-_GATHER_PHASES = frozenset({"pre_forward", "pre_backward"})
+_GATHER_PHASES = frozenset({PRE_FORWARD, PRE_BACKWARD})
 _GUESSES = frozenset({ACTIVATION, TEMP})
 _in_backward = torch._C._current_graph_task_id
 
 
 class DeepMode(TorchDispatchMode):
-    """Accounts every op's output storages in the tracker's ledger."""
+    """Accounts every op's output storages in ``ledger``, labelled by what ``context`` says is
+    running; its own failures go to ``on_error`` (never raised into the op)."""
 
-    def __init__(self, tracker: FSDPMemoryTracker) -> None:
+    def __init__(self, ledger: Ledger, context: StepContext, on_error: Callable[[BaseException], None]) -> None:
         super().__init__()
-        self._tracker = tracker
+        self._ledger = ledger
+        self._context = context
+        self._on_error = on_error
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if DTensor in types:
             return NotImplemented  # let DTensor desugar to local ops, which come back here
         res = func(*args, **(kwargs or {}))
-        tr = self._tracker
+        ctx = self._context
         try:
-            ledger = tr.ledger
-            if tr.in_optimizer:
+            ledger = self._ledger
+            if ctx.in_optimizer:
                 category = OPTIMIZER_STATE
-            elif _in_backward() != -1 and not tr.in_ac_recompute:
+            elif _in_backward() != -1 and not ctx.in_ac_recompute:
                 category = TEMP
             else:
                 category = ACTIVATION
             if func in _ALL_GATHER_OPS:
-                if tr.phase in _GATHER_PHASES:
+                if ctx.phase in _GATHER_PHASES:
                     ledger.relabel_guess(args[0], ALL_GATHER, _GUESSES)
             elif func in _REDUCE_SCATTER_OPS:
-                if tr.phase == "post_backward":
+                if ctx.phase == POST_BACKWARD:
                     ledger.relabel_guess(args[1], REDUCE_SCATTER, _GUESSES)
             _track_outputs(ledger, res, category)
             ledger.offer_current()
         except Exception as exc:  # noqa: BLE001 - never break training
-            tr.report_error(exc)
+            self._on_error(exc)
         return res
 
 

@@ -55,22 +55,44 @@ def _nbytes(st: torch.UntypedStorage, device_type: str) -> int:
 
 
 class _Window:
-    __slots__ = ("peak", "snap")
+    """The peak of one span of time: per device, the largest total and the breakdown then.
+
+    Copying the breakdown at every new maximum would cost a dict copy per allocation while
+    memory grows (every saved activation in a forward); instead a device whose peak *is* the
+    current breakdown is marked live, and the ledger copies it only when that breakdown is about
+    to change downwards (a free, a relabel), when a nested window opens, or when it is read.
+    """
+
+    __slots__ = ("live", "peak", "snap")
 
     def __init__(self, current: DeviceBreakdown) -> None:
         self.peak: dict[str, int] = {d: c[TOTAL] for d, c in current.items()}
         self.snap: DeviceBreakdown = {d: dict(c) for d, c in current.items()}
+        self.live: set[str] = set()
 
-    def offer(self, device: str, cats: dict[str, int]) -> None:
-        if cats[TOTAL] > self.peak.get(device, -1):
-            self.peak[device] = cats[TOTAL]
-            self.snap[device] = dict(cats)
+    def offer(self, device: str, total: int) -> None:
+        if total > self.peak.get(device, -1):
+            self.peak[device] = total
+            self.live.add(device)
+
+    def settle(self, current: DeviceBreakdown, device: str | None = None) -> None:
+        """Copy the live peaks (all devices, or one) out of ``current`` before it changes."""
+        if not self.live:
+            return
+        if device is None:
+            for d in self.live:
+                self.snap[d] = dict(current[d])
+            self.live.clear()
+        elif device in self.live:
+            self.snap[device] = dict(current[device])
+            self.live.discard(device)
 
     def absorb(self, inner: _Window) -> None:
         for device, total in inner.peak.items():
             if total > self.peak.get(device, -1):
                 self.peak[device] = total
                 self.snap[device] = inner.snap[device]
+                self.live.discard(device)
 
 
 class Ledger:
@@ -83,6 +105,7 @@ class Ledger:
         self._step = _Window({})
         self._windows: list[_Window] = []
         self._device_names: dict[torch.device, str] = {}
+        self._on_free = _free_callback(self._entries, weakref.ref(self))
         # Light mode: every growth is a peak candidate. Deep mode turns this off and offers once
         # per op (offer_current), the instants upstream MemTracker evaluates, so both agree.
         self.offer_on_add = True
@@ -97,6 +120,19 @@ class Ledger:
         for st in storages_of(t):
             self.track_storage(st, category, recategorize)
 
+    def track_new(self, t: torch.Tensor, category: str) -> None:
+        """Account ``t`` under ``category`` only if its storage is not known yet (the hot path
+        for saved activations: a known storage keeps its entry untouched)."""
+        cls = type(t)
+        if (cls is torch.Tensor or cls is nn.Parameter) and t.layout is torch.strided:
+            st = t.untyped_storage()
+            if id(st) not in self._entries:
+                self.track_storage(st, category, False)
+            return
+        for st in storages_of(t):
+            if id(st) not in self._entries:
+                self.track_storage(st, category, False)
+
     def track_storage(self, st: torch.UntypedStorage, category: str, recategorize: bool) -> None:
         key = id(st)
         entry = self._entries.get(key)
@@ -106,8 +142,7 @@ class Ledger:
             if name is None:
                 name = self._device_names[dev] = str(dev)
             n = _nbytes(st, dev.type)
-            ref = weakref.ref(st, self._make_free_callback(key))
-            self._entries[key] = [name, category, n, ref]
+            self._entries[key] = [name, category, n, weakref.KeyedRef(st, self._on_free, key)]
             if n:
                 self._add(name, category, n)
             return
@@ -116,10 +151,15 @@ class Ledger:
             self._add(entry[0], entry[1], n - entry[2])
             entry[2] = n
         if recategorize and entry[1] != category:
-            cats = self.current[entry[0]]
-            cats[entry[1]] -= entry[2]
-            cats[category] += entry[2]
-            entry[1] = category
+            self._relabel(entry, category)
+
+    def _relabel(self, entry: list[Any], category: str) -> None:
+        device = entry[0]
+        cats = self.current[device]
+        self._settle(device)
+        cats[entry[1]] -= entry[2]
+        cats[category] += entry[2]
+        entry[1] = category
 
     def relabel_guess(self, t: torch.Tensor, category: str, guesses: frozenset[str]) -> None:
         """Account ``t`` under ``category`` unless it already holds a category outside ``guesses``.
@@ -146,39 +186,38 @@ class Ledger:
                 self._add(entry[0], entry[1], n - entry[2])
                 entry[2] = n
 
-    def _make_free_callback(self, key: int):  # type: ignore[no-untyped-def]
-        entries = self._entries
-        ledger_ref = weakref.ref(self)
-
-        def on_free(_ref: weakref.ref) -> None:
-            entry = entries.pop(key, None)
-            ledger = ledger_ref()
-            if entry is not None and ledger is not None and entry[2]:
-                ledger._add(entry[0], entry[1], -entry[2])
-
-        return on_free
-
     def _add(self, device: str, category: str, delta: int) -> None:
         cats = self.current.get(device)
         if cats is None:
             cats = self.current[device] = dict.fromkeys(CATEGORY_KEYS, 0)
+        if delta < 0:
+            self._settle(device)
         cats[category] += delta
-        cats[TOTAL] += delta
+        total = cats[TOTAL] = cats[TOTAL] + delta
         if delta > 0 and self.offer_on_add:
-            self._step.offer(device, cats)
+            self._step.offer(device, total)
             if self._windows:
-                self._windows[-1].offer(device, cats)
+                self._windows[-1].offer(device, total)
+
+    def _settle(self, device: str) -> None:
+        # Only the step window and the innermost window receive offers, so only they can be live.
+        self._step.settle(self.current, device)
+        if self._windows:
+            self._windows[-1].settle(self.current, device)
 
     def offer_current(self) -> None:
         """Make the current breakdown a peak candidate for the step and the innermost window."""
+        inner = self._windows[-1] if self._windows else None
         for device, cats in self.current.items():
-            self._step.offer(device, cats)
-            if self._windows:
-                self._windows[-1].offer(device, cats)
+            self._step.offer(device, cats[TOTAL])
+            if inner is not None:
+                inner.offer(device, cats[TOTAL])
 
     # -- windows and peaks ---------------------------------------------------------------------
     def open_window(self) -> None:
         """Start a nested peak window (a module's forward or backward)."""
+        if self._windows:
+            self._windows[-1].settle(self.current)  # it stops receiving offers now
         self._windows.append(_Window(self.current))
 
     def close_window(self) -> DeviceBreakdown:
@@ -186,6 +225,7 @@ class Ledger:
         if not self._windows:
             return {}
         w = self._windows.pop()
+        w.settle(self.current)
         if self._windows:
             self._windows[-1].absorb(w)
         return {d: dict(c) for d, c in w.snap.items()}
@@ -199,6 +239,7 @@ class Ledger:
         return {d: dict(c) for d, c in self.current.items()}
 
     def step_peak(self) -> DeviceBreakdown:
+        self._step.settle(self.current)
         return {d: dict(c) for d, c in self._step.snap.items()}
 
     def reset_step(self) -> None:
@@ -210,6 +251,22 @@ class Ledger:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def category_of(self, st: torch.UntypedStorage) -> str | None:
-        entry = self._entries.get(id(st))
-        return None if entry is None else entry[1]
+
+
+def _free_callback(entries: dict[int, list[Any]], ledger_ref: weakref.ref[Ledger]) -> Any:
+    """The weakref callback shared by all of a ledger's entries: drop the freed storage's bytes.
+
+    One function per ledger (the storage's key travels on the KeyedRef) instead of a closure per
+    entry; it holds the ledger weakly so a dropped tracker is collected.
+    """
+
+    def on_free(ref: weakref.KeyedRef) -> None:
+        entry = entries.get(ref.key)
+        if entry is None or entry[3] is not ref:
+            return
+        del entries[ref.key]
+        ledger = ledger_ref()
+        if ledger is not None and entry[2]:
+            ledger._add(entry[0], entry[1], -entry[2])
+
+    return on_free

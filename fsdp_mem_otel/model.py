@@ -67,6 +67,11 @@ STATES: tuple[str, ...] = (
     PEAK_BACKWARD,
 )
 
+#: The states FSDP reaches around a module's forward (in backward too, during a recompute).
+FORWARD_STATES: frozenset[str] = frozenset(STATES[:4])
+#: The states FSDP reaches around a module's backward.
+BACKWARD_STATES: frozenset[str] = frozenset(STATES[4:8])
+
 LIGHT = "light"
 DEEP = "deep"
 MODES: tuple[str, ...] = (LIGHT, DEEP)
@@ -160,6 +165,8 @@ class StepReport:
     end_time_ns: int = 0
     #: None for a step that completed; else what stopped it (see StepAbort)
     aborted: StepAbort | None = None
+    #: why a step due to run deep stayed light ("compiled": the model runs torch.compile'd code)
+    deep_skipped: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -181,6 +188,7 @@ class StepReport:
             "start_time_ns": self.start_time_ns,
             "end_time_ns": self.end_time_ns,
             "aborted": None if self.aborted is None else self.aborted.to_dict(),
+            "deep_skipped": self.deep_skipped,
         }
 
     def to_json(self) -> str:
@@ -214,6 +222,7 @@ class StepReport:
             start_time_ns=int(data.get("start_time_ns", 0)),
             end_time_ns=int(data.get("end_time_ns", 0)),
             aborted=None if data.get("aborted") is None else StepAbort.from_dict(data["aborted"]),
+            deep_skipped=None if data.get("deep_skipped") is None else str(data["deep_skipped"]),
         )
 
     def peak_total(self, device: str | None = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -15,59 +16,46 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_mem_otel.activations import SavedTensorAccounting
 from fsdp_mem_otel.adapters import make_adapter
 from fsdp_mem_otel.adapters.base import iter_tensors
 from fsdp_mem_otel.allocator import AllocatorProbe
+from fsdp_mem_otel.compile_support import compiled_regions, force_eager, keep_out_of_dynamo
 from fsdp_mem_otel.config import TrackerConfig
 from fsdp_mem_otel.deep import RESIZE_WATCH, DeepMode
 from fsdp_mem_otel.exporters import Exporter
 from fsdp_mem_otel.ledger import Ledger
 from fsdp_mem_otel.model import (
-    AFTER_POST_BACKWARD,
+    ACTIVATION,
     AFTER_POST_FORWARD,
-    AFTER_PRE_BACKWARD,
-    AFTER_PRE_FORWARD,
-    BEFORE_POST_BACKWARD,
     BEFORE_POST_FORWARD,
-    BEFORE_PRE_BACKWARD,
     BEFORE_PRE_FORWARD,
     DEEP,
+    FORWARD_STATES,
     INPUTS,
     LIGHT,
     OPTIMIZER_STATE,
-    PEAK_BACKWARD,
-    PEAK_FORWARD,
-    POST_FORWARD_AC,
-    PRE_FORWARD_AC,
-    ModuleReport,
     StepAbort,
     StepReport,
 )
+from fsdp_mem_otel.recorder import StepContext, StepRecorder
 
 logger = logging.getLogger("fsdp_mem_otel")
-
-# FSDP phase after each state; deep mode labels collectives by phase (as upstream does).
-_PHASE_AFTER = {
-    BEFORE_PRE_FORWARD: "pre_forward",
-    AFTER_PRE_FORWARD: "forward",
-    BEFORE_POST_FORWARD: "post_forward",
-    AFTER_POST_FORWARD: "forward",
-    BEFORE_PRE_BACKWARD: "pre_backward",
-    AFTER_PRE_BACKWARD: "backward",
-    BEFORE_POST_BACKWARD: "post_backward",
-    AFTER_POST_BACKWARD: "post_backward",  # upstream keeps POST_BW until the next pre-backward
-}
-_OPENS = {BEFORE_PRE_FORWARD: PEAK_FORWARD, BEFORE_PRE_BACKWARD: PEAK_BACKWARD}
-_CLOSES = {AFTER_POST_FORWARD: PEAK_FORWARD, AFTER_POST_BACKWARD: PEAK_BACKWARD}
 _in_backward = torch._C._current_graph_task_id
+_POST_FORWARD = frozenset({BEFORE_POST_FORWARD, AFTER_POST_FORWARD})
+#: StepReport.deep_skipped when a deep step stayed light because the model runs compiled code
+DEEP_SKIPPED_COMPILED = "compiled"
 
 
 class FSDPMemoryTracker:
     """Per-module, per-state memory of an FSDP model, for every step of a run.
 
     Args:
-        model: a model wrapped with FSDP2 (``fully_shard``) or FSDP1 (``FullyShardedDataParallel``).
-        optimizer: its optimizer, to account optimizer state (optional).
+        model: a model wrapped with FSDP2 (``fully_shard``) or FSDP1 (``FullyShardedDataParallel``),
+            possibly inside wrappers (torch.compile, Lightning Fabric, DDP-style ``module``).
+        optimizer: its optimizer, to account optimizer state (optional). Wrappers holding the
+            torch optimizer as ``.optimizer`` or ``._optimizer`` (accelerate's
+            ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) are unwrapped.
         mode: "light" (default: no per-op cost) or "deep" (every op accounted).
         deep_every: with mode="light", run every Nth step deep (0 = never).
         config: a full TrackerConfig instead of mode/deep_every.
@@ -77,14 +65,15 @@ class FSDPMemoryTracker:
     Use ``with tracker:`` (or attach()/detach()) around the whole run and call ``step()`` once per
     training step, after ``optimizer.step()``, from the thread that attached (FSDP hooks may fire
     on autograd's threads; that is fine). Internal failures are logged once, counted in
-    ``errors_total`` and never raised into training. ``step()`` with no forward in between
-    returns a report with no module snapshots; calling it twice in a row is harmless.
+    ``errors_total`` and never raised into training; an attach() that fails leaves every hook
+    and attribute as it was. ``step()`` with no forward in between returns a report with no
+    module snapshots; calling it twice in a row is harmless.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: Any = None,
         *,
         mode: str | None = None,
         deep_every: int | None = None,
@@ -93,8 +82,7 @@ class FSDPMemoryTracker:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module wrapped with FSDP; got {type(model).__name__}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer or None; got {type(optimizer).__name__}")
+        optimizer = unwrap_optimizer(optimizer)
         if config is not None and not isinstance(config, TrackerConfig):
             raise TypeError(f"config must be a TrackerConfig or None; got {type(config).__name__}")
         overrides = {k: v for k, v in (("mode", mode), ("deep_every", deep_every)) if v is not None}
@@ -110,23 +98,23 @@ class FSDPMemoryTracker:
         self.model = model
         self.optimizer = optimizer
         self.ledger = Ledger()
+        self.context = StepContext()
+        self.recorder = StepRecorder(self.ledger, self.context)
+        keep_out_of_dynamo()
         self._adapter = make_adapter(model, self)
         self._probe = AllocatorProbe(reset_peaks=config.reset_peaks)
+        self._activations = SavedTensorAccounting(self.ledger, self.report_error)
         if optimizer is not None:
             _check_optimizer_covers_model(optimizer, model)
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
 
-        # What FSDP is doing now: read per op by deep mode.
-        self.phase = "idle"
-        self.in_optimizer = False
-        self.in_ac_recompute = False
-        self._ac_key: str | None = None
-
         self.errors_total = 0
         self._own_errors = 0  # errors_total without exporter failures: what max_errors limits
         self.steps_completed = 0
+        #: deep steps that stayed light, by reason (``DEEP_SKIPPED_COMPILED``)
+        self.deep_skipped_total: dict[str, int] = {}
         self.attached = False
         self.disabled = False
         self._logged_errors: set[str] = set()
@@ -134,13 +122,15 @@ class FSDPMemoryTracker:
         self._opt_handles: list[Any] = []
         self._opt_tensors: dict[int, weakref.ref[torch.Tensor]] = {}
         self._deep_mode: DeepMode | None = None
+        self._restore_stance: Any = None
+        self._step_mode = LIGHT
+        self._deep_skipped: str | None = None
         self._abort: StepAbort | None = None
-        self._last_state: tuple[str, str] | None = None  # (module key, state) of the last snapshot
-        self._module_last_state: dict[str, str] = {}
+        self._forward_depth = 0  # nesting of FSDP forwards now running (outside backward)
         self._reset_step_state()
 
     @classmethod
-    def from_env(cls, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> FSDPMemoryTracker:
+    def from_env(cls, model: nn.Module, optimizer: Any = None) -> FSDPMemoryTracker:
         """A tracker configured entirely from the environment: TrackerConfig.from_env() for how
         to measure, ExportConfig.from_env() (plus the standard OTEL_* variables) for where the
         reports go. The usual way to switch it on in a torchrun or Kubernetes job."""
@@ -154,27 +144,40 @@ class FSDPMemoryTracker:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def attach(self) -> FSDPMemoryTracker:
-        """Install hooks; the first step starts now. Calling it twice is a no-op."""
+        """Install hooks; the first step starts now. Calling it twice is a no-op.
+
+        All or nothing: if anything fails half-way, what was installed is removed again, the
+        failure is logged and counted, and training goes on untracked (``attached`` stays False).
+        """
         if self.attached or not self.config.enabled:
             return self
+        try:
+            self._install()
+        except Exception as exc:  # noqa: BLE001 - a failed attach must not stop training
+            self._uninstall()
+            self.report_error(exc, may_disable=False)
+            return self
+        self.attached = True
+        self._begin_step()
+        return self
+
+    def _install(self) -> None:
         self._owner_thread = threading.get_ident()
         self._adapter.attach()
         for t, category in self._adapter.persistent_tensors():
             self.ledger.track(t, category)
         if self.optimizer is not None:
             self._track_optimizer_state()
-            self._opt_handles = [
-                self.optimizer.register_step_pre_hook(self._on_optimizer_pre),
-                self.optimizer.register_step_post_hook(self._on_optimizer_post),
-            ]
-        self.attached = True
+            self._opt_handles.append(self.optimizer.register_step_pre_hook(self._on_optimizer_pre))
+            self._opt_handles.append(self.optimizer.register_step_post_hook(self._on_optimizer_post))
         self.ledger.reset_step()
-        try:
-            self._probe.start()
-        except Exception as exc:  # noqa: BLE001
-            self.report_error(exc)
-        self._begin_step()
-        return self
+        self._probe.start()
+
+    def _uninstall(self) -> None:
+        for h in self._opt_handles:
+            h.remove()
+        self._opt_handles = []
+        self._adapter.detach()
 
     def detach(self) -> None:
         """Remove every hook and patch; accounting stops. Safe to call twice."""
@@ -182,10 +185,8 @@ class FSDPMemoryTracker:
             return
         self.attached = False
         self._leave_deep()
-        for h in self._opt_handles:
-            h.remove()
-        self._opt_handles = []
-        self._adapter.detach()
+        self._activations.pop()
+        self._uninstall()
 
     def __enter__(self) -> FSDPMemoryTracker:
         return self.attach()
@@ -231,18 +232,21 @@ class FSDPMemoryTracker:
             local_rank=self.local_rank,
             start_time_ns=self._step_started_ns,
             end_time_ns=end_ns,
+            deep_skipped=self._deep_skipped,
         )
         try:
-            if self._abort is None and self._windows:
+            self._activations.pop()  # a forward that raised before its end
+            self._forward_depth = 0
+            if self._abort is None and self.recorder.in_pass:
                 self._abort = self._make_abort(
                     "IncompleteStep", "step() called while a forward or backward pass was still open", False
                 )
             report.aborted = self._abort
-            self._close_open_windows()
+            self.recorder.close_open_windows()
             report.peak = self.ledger.step_peak()
             report.current = self.ledger.snapshot()
             report.allocator = self._probe.step_stats({d: c["total"] for d, c in report.current.items()})
-            report.modules = self._modules
+            report.modules = self.recorder.modules
             report.tracker_overhead_seconds = self._overhead
         except Exception as exc:  # noqa: BLE001
             self.report_error(exc)
@@ -294,15 +298,8 @@ class FSDPMemoryTracker:
             raise
 
     def _make_abort(self, error: str, message: str, oom: bool) -> StepAbort:
-        # The innermost open forward/backward window is the module that was running.
-        if self._windows:
-            key = self._windows[-1][0]
-        elif self._last_state is not None:
-            key = self._last_state[0]
-        else:
-            key = ""
-        state = self._module_last_state.get(key, "")
-        return StepAbort(error, message, oom, key, state, self.ledger.snapshot())
+        module, state = self.recorder.location()
+        return StepAbort(error, message, oom, module, state, self.ledger.snapshot())
 
     def track_inputs(self, obj: Any) -> None:
         """Account the tensors in ``obj`` (nested lists/tuples/dicts) as model inputs."""
@@ -314,36 +311,59 @@ class FSDPMemoryTracker:
 
     # -- step internals ------------------------------------------------------------------------
     def _reset_step_state(self) -> None:
-        self._modules: dict[str, ModuleReport] = {}
-        self._windows: list[tuple[str, str]] = []  # (module key, peak state) per open window
+        self.recorder.reset()
         self._overhead = 0.0
         self._step_started = time.perf_counter()
         self._step_started_ns = time.time_ns()
-        self.phase = "idle"
-        self.in_ac_recompute = False
-        self._ac_key = None
         self._abort = None
-        self._last_state = None
-        self._module_last_state = {}
+        self._deep_skipped = None
 
     def _begin_step(self) -> None:
         step = self.steps_completed + 1
         deep = self.config.is_deep(step) and not self.disabled
+        if deep and self.config.deep_when_compiled == "skip" and self._runs_compiled_code():
+            deep = False
+            self._deep_skipped = DEEP_SKIPPED_COMPILED
+            self.deep_skipped_total[DEEP_SKIPPED_COMPILED] = self.deep_skipped_total.get(DEEP_SKIPPED_COMPILED, 0) + 1
+            if self.deep_skipped_total[DEEP_SKIPPED_COMPILED] == 1:
+                logger.warning(
+                    "fsdp_mem_otel: deep steps stay light on this model: it runs torch.compile'd code, which a "
+                    "deep step would run eagerly (set deep_when_compiled='eager' / FSDP_MEM_OTEL_DEEP_WHEN_COMPILED"
+                    "=eager to measure such steps eagerly)"
+                )
         self._step_mode = DEEP if deep else LIGHT
         if deep:
             self._enter_deep()
+
+    def _runs_compiled_code(self) -> bool:
+        try:
+            return bool(compiled_regions(self.model))
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+            return True  # unsure: do not risk running compiled code eagerly
 
     def _enter_deep(self) -> None:
         if self._deep_mode is not None:
             return
         try:
-            self._deep_mode = DeepMode(self)
+            if self.config.deep_when_compiled == "eager" and self._runs_compiled_code():
+                self._restore_stance = force_eager()
+            self._deep_mode = DeepMode(self.ledger, self.context, self.report_error)
             self._deep_mode.__enter__()
             RESIZE_WATCH.add(self.ledger)
             self.ledger.offer_on_add = False
         except Exception as exc:  # noqa: BLE001
             self._deep_mode = None
+            self._restore_eager_stance()
             self.report_error(exc)
+
+    def _restore_eager_stance(self) -> None:
+        restore, self._restore_stance = self._restore_stance, None
+        if restore is not None:
+            try:
+                restore()
+            except Exception as exc:  # noqa: BLE001
+                self.report_error(exc)
 
     def _leave_deep(self) -> None:
         mode, self._deep_mode = self._deep_mode, None
@@ -362,76 +382,56 @@ class FSDPMemoryTracker:
             mode.__exit__(None, None, None)
         except Exception as exc:  # noqa: BLE001
             self.report_error(exc)
-
-    def _close_open_windows(self) -> None:
-        while self._windows:
-            key, peak_state = self._windows.pop()
-            self._append(key, peak_state, self.ledger.close_window())
-
-    def _append(self, key: str, state: str, snap: dict[str, dict[str, int]]) -> None:
-        self._last_state = (key, state)
-        self._module_last_state[key] = state
-        mod = self._modules.get(key)
-        if mod is None:
-            mod = self._modules[key] = ModuleReport()
-        calls = mod.snapshots.get(state)
-        if calls is None:
-            calls = mod.snapshots[state] = []
-            mod.times[state] = []
-        calls.append(snap)
-        mod.times[state].append(time.time_ns())
+        self._restore_eager_stance()
 
     # -- EventSink (called by adapters from FSDP hooks) ---------------------------------------
-    def on_state(self, key: str, state: str) -> None:
-        """Module ``key`` reached ``state``: take a snapshot, open or close its peak window."""
+    def on_state(self, key: str, state: str, tensors: object = None) -> None:
+        """Module ``key`` reached ``state``: take a snapshot, open or close its peak window.
+
+        ``tensors`` (the module's inputs at after_pre_forward, its outputs at after_post_forward)
+        are accounted as activations first, in light mode: autograd does not save a module's
+        outputs, yet they are alive (the next module's input, the logits, the loss).
+        """
         if not self.attached:
             return
         t0 = time.perf_counter()
         try:
-            if _in_backward() != -1 and state in (
-                BEFORE_PRE_FORWARD,
-                AFTER_PRE_FORWARD,
-                BEFORE_POST_FORWARD,
-                AFTER_POST_FORWARD,
-            ):
-                self._on_recompute(key, state)
-            else:
+            in_backward = _in_backward() != -1
+            if tensors is None and state in _POST_FORWARD and self._abort is None:
+                self._note_raising_forward()
+            if not in_backward:
+                if state == BEFORE_PRE_FORWARD:
+                    self._forward_begins()
+                elif tensors is not None and self._deep_mode is None and self.config.activations:
+                    track_new = self.ledger.track_new
+                    for t in iter_tensors(tensors):
+                        track_new(t, ACTIVATION)
+            if not (in_backward and state in FORWARD_STATES):  # not a checkpoint recompute
                 self._probe.sample()
-                self.phase = _PHASE_AFTER[state]
-                if state in _CLOSES:
-                    self._close_window(key, _CLOSES[state])
-                self._append(key, state, self.ledger.snapshot())
-                if state in _OPENS:
-                    self.ledger.open_window()
-                    self._windows.append((key, _OPENS[state]))
+            self.recorder.on_state(key, state, in_backward)
+            if state == AFTER_POST_FORWARD and not in_backward:
+                self._forward_ends()
         except Exception as exc:  # noqa: BLE001
             self.report_error(exc)
         self._overhead += time.perf_counter() - t0
 
-    def _on_recompute(self, key: str, state: str) -> None:
-        # Forward hooks firing inside backward: activation-checkpoint recompute.
-        if state == BEFORE_PRE_FORWARD:
-            self.phase = "pre_forward"
-        elif state == AFTER_PRE_FORWARD:
-            self.phase = "forward"
-            self._append(key, PRE_FORWARD_AC, self.ledger.snapshot())
-            if self._ac_key is None:
-                self._ac_key, self.in_ac_recompute = key, True
-        elif state == BEFORE_POST_FORWARD:
-            self.phase = "post_forward"
-            self._append(key, POST_FORWARD_AC, self.ledger.snapshot())
-            if self._ac_key == key:
-                self._ac_key, self.in_ac_recompute = None, False
+    def _note_raising_forward(self) -> None:
+        # Post-forward hooks with no outputs while an exception propagates: the forward raised
+        # (they are always_call hooks). Locate the abort now, before the windows close.
+        exc = sys.exc_info()[1]
+        if exc is not None:
+            self._abort = self._make_abort(type(exc).__name__, str(exc)[:500], _is_oom(exc))
 
-    def _close_window(self, key: str, peak_state: str) -> None:
-        # Windows nest; if FSDP closes one out of order, close the inner ones first.
-        if not any(k == key and s == peak_state for k, s in self._windows):
-            return
-        while self._windows:
-            k, s = self._windows.pop()
-            self._append(k, s, self.ledger.close_window())
-            if k == key and s == peak_state:
-                return
+    def _forward_begins(self) -> None:
+        self._forward_depth += 1
+        if self._forward_depth == 1 and self._deep_mode is None and self.config.activations:
+            self._activations.push()
+
+    def _forward_ends(self) -> None:
+        if self._forward_depth > 0:
+            self._forward_depth -= 1
+        if self._forward_depth == 0:
+            self._activations.pop()
 
     def track(self, tensor: torch.Tensor | None, category: str) -> None:
         if tensor is None or not self.attached:
@@ -469,11 +469,32 @@ class FSDPMemoryTracker:
                 logger.exception("fsdp_mem_otel: detach after errors failed")
 
     # -- optimizer -----------------------------------------------------------------------------
-    def _on_optimizer_pre(self, *_: Any) -> None:
-        self.in_optimizer = True
+    def _on_optimizer_pre(self, _opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.context.in_optimizer = True
+        try:
+            # optimizer.step(closure): the closure's forward and backward are not optimizer work
+            if "closure" in kwargs and kwargs["closure"] is not None:
+                return args, {**kwargs, "closure": self._outside_optimizer(kwargs["closure"])}
+            if args and callable(args[0]):
+                return (self._outside_optimizer(args[0]), *args[1:]), kwargs
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+        return None
+
+    def _outside_optimizer(self, closure: Any) -> Any:
+        context = self.context
+
+        def closure_outside_optimizer(*a: Any, **k: Any) -> Any:
+            context.in_optimizer = False
+            try:
+                return closure(*a, **k)
+            finally:
+                context.in_optimizer = True
+
+        return closure_outside_optimizer
 
     def _on_optimizer_post(self, *_: Any) -> None:
-        self.in_optimizer = False
+        self.context.in_optimizer = False
         self._track_optimizer_state()
 
     def _track_optimizer_state(self) -> None:
@@ -492,6 +513,29 @@ class FSDPMemoryTracker:
                             known[id(value)] = weakref.ref(value)
         except Exception as exc:  # noqa: BLE001
             self.report_error(exc)
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer behind ``optimizer``: itself, or the one a wrapper holds as
+    ``.optimizer`` / ``._optimizer`` (accelerate's AcceleratedOptimizer, Lightning's
+    LightningOptimizer, possibly nested). TypeError when there is none."""
+    seen = 0
+    current = optimizer
+    while current is not None and seen < 8:
+        if isinstance(current, torch.optim.Optimizer) and "_optimizer_step_pre_hooks" in vars(current):
+            return current
+        inner = getattr(current, "optimizer", None)
+        if inner is None or inner is current:
+            inner = getattr(current, "_optimizer", None)
+        if inner is None or inner is current:
+            break
+        current, seen = inner, seen + 1
+    if optimizer is None:
+        return None
+    raise TypeError(
+        "optimizer must be a torch.optim.Optimizer (or a wrapper holding one as .optimizer, such as "
+        f"accelerate's AcceleratedOptimizer or Lightning's LightningOptimizer) or None; got {type(optimizer).__name__}"
+    )
 
 
 def _is_oom(exc: BaseException) -> bool:

@@ -121,8 +121,10 @@ def test_modes_and_sampling(runs: list[dict[str, Any]]) -> None:
         assert [r["mode"] for r in by_name["deep_every_2"]["reports"]] == ["light", "deep", "light", "deep"]
         assert all(r["mode"] == "deep" for r in by_name["deep"]["reports"])
         assert all(r["mode"] == "light" for r in by_name["plain"]["reports"])
-        # Light mode on CPU has no per-op view of activations; deep mode does.
-        assert all(_cpu(r["peak"])["activation"] == 0 for r in by_name["plain"]["reports"])
+        # Light mode sees activations through saved-tensor hooks, deep mode per op.
+        for r in by_name["plain"]["reports"] + by_name["deep"]["reports"]:
+            for key in by_name["plain"]["keys"]:
+                assert _cpu(_calls(r, key, "after_post_forward")[0])["activation"] > 0, key
         assert all(_cpu(r["peak"])["activation"] > 0 for r in by_name["deep"]["reports"])
 
 

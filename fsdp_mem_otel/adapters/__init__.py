@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from fsdp_mem_otel.adapters.base import Adapter, EventSink, module_key
+from fsdp_mem_otel.adapters.base import Adapter, EventSink, module_keys
 
-__all__ = ["Adapter", "EventSink", "make_adapter", "module_key"]
+__all__ = ["Adapter", "EventSink", "make_adapter", "module_keys"]
 
 
 def make_adapter(model: nn.Module, sink: EventSink) -> Adapter:

@@ -16,23 +16,51 @@ from torch import nn
 
 from fsdp_mem_otel.model import ROOT_KEY
 
-# Wrapper segments that FSDP1 and activation-checkpoint wrappers insert into module paths.
-_WRAPPER_SEGMENTS = frozenset(
-    {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_offload_wrapped_module", "_orig_mod"}
+# Attributes under which wrappers hold the module they wrap: FSDP1, activation checkpointing and
+# CPU offload wrappers, torch.compile's OptimizedModule, Lightning Fabric's _FabricModule.
+_WRAPPER_ATTRS = frozenset(
+    {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_offload_wrapped_module", "_orig_mod", "_forward_module"}
 )
+# DDP, DataParallel and accelerate-style wrappers hold it as ``module``: a wrapper segment only
+# when the parent is nothing but that wrapper (no parameters, buffers or other children).
+_GENERIC_WRAPPER_ATTR = "module"
 
 
-def module_key(path: str) -> str:
-    """The user's path for a module: wrapper segments dropped, the root named ``<root>``."""
-    parts = [p for p in path.split(".") if p and p not in _WRAPPER_SEGMENTS]
-    return ".".join(parts) if parts else ROOT_KEY
+def is_wrapper_segment(parent: nn.Module, name: str, child: nn.Module) -> bool:
+    """Whether ``parent.<name>`` is the module a wrapper wraps (a segment users never wrote)."""
+    if name in _WRAPPER_ATTRS:
+        return True
+    if name != _GENERIC_WRAPPER_ATTR or parent._parameters or parent._buffers:
+        return False
+    return all(c is child for c in parent.children())
+
+
+def module_keys(model: nn.Module) -> dict[nn.Module, str]:
+    """Every module of ``model`` -> its key: its path in the user's model, wrapper segments
+    (see ``is_wrapper_segment``) dropped, the top-most module named ``<root>``."""
+    keys: dict[nn.Module, str] = {model: ROOT_KEY}
+
+    def visit(parent: nn.Module, path: str) -> None:
+        for name, child in parent.named_children():
+            if child in keys:
+                continue
+            if not is_wrapper_segment(parent, name, child):
+                path_of_child = f"{path}.{name}" if path else name
+            else:
+                path_of_child = path
+            keys[child] = path_of_child or ROOT_KEY
+            visit(child, path_of_child)
+
+    visit(model, "")
+    return keys
 
 
 class EventSink(Protocol):
     """The tracker, as adapters see it. None of these raise into FSDP."""
 
-    def on_state(self, key: str, state: str) -> None:
-        """Module ``key`` reached ``state`` (one of model.STATES, forward ones also in AC)."""
+    def on_state(self, key: str, state: str, tensors: object = None) -> None:
+        """Module ``key`` reached ``state`` (one of model.STATES, forward ones also in AC);
+        ``tensors``: the module's inputs (pre-forward) or outputs (post-forward) at that state."""
 
     def track(self, tensor: torch.Tensor | None, category: str) -> None:
         """Account ``tensor``'s storages under ``category`` (re-categorizing known ones)."""
@@ -74,6 +102,20 @@ def iter_tensors(obj: object) -> Iterable[torch.Tensor]:
             yield from iter_tensors(o)
 
 
-def fsdp_module_paths(model: nn.Module, is_fsdp: type | tuple[type, ...]) -> list[tuple[str, nn.Module]]:
-    """(path, module) for each FSDP-wrapped module in ``model``, in named_modules() order."""
-    return [(p, m) for p, m in model.named_modules() if isinstance(m, is_fsdp)]  # type: ignore[misc]
+def fsdp_module_keys(model: nn.Module, is_fsdp: type | tuple[type, ...]) -> list[tuple[str, nn.Module]]:
+    """(key, module) for each FSDP-wrapped module in ``model``, in named_modules() order. Keys
+    are unique: where two FSDP modules would share one (a wrapper named ``module`` around an FSDP
+    module that is FSDP itself), the later keeps its full path."""
+    keys = module_keys(model)
+    out: list[tuple[str, nn.Module]] = []
+    used: set[str] = set()
+    for path, mod in model.named_modules():
+        module: nn.Module = mod  # isinstance() below narrows ``mod`` to the FSDP mixin type
+        if not isinstance(mod, is_fsdp):
+            continue
+        key = keys[module]
+        if key in used:
+            key = path or ROOT_KEY
+        used.add(key)
+        out.append((key, module))
+    return out

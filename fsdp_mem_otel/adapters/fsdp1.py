@@ -39,7 +39,8 @@ What each category means for FSDP1, as reported here:
   when the numel does not divide by the world size (deep mode only); its output becomes the
   sharded grad.
 * ``sharded_grad``: ``_saved_grad_shard`` (sharded strategies; moved to ``.grad`` by the
-  post-backward final callback), ``.grad`` (NO_SHARD) or ``_cpu_grad`` (CPU offload).
+  post-backward final callback), ``.grad`` (NO_SHARD) or ``_cpu_grad`` (CPU offload); the grads
+  of parameters FSDP does not manage (``ignored_modules``) when autograd accumulates them.
 * ``buffer``: every buffer of the model (re-tracked after the root's pre-forward, where lazy init
   and mixed precision may replace buffer storages).
 
@@ -60,7 +61,8 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.utils.hooks import RemovableHandle
 
-from fsdp_mem_otel.adapters.base import EventSink, fsdp_module_paths, module_key
+from fsdp_mem_otel.adapters.base import EventSink, fsdp_module_keys
+from fsdp_mem_otel.compile_support import dynamo_safe
 from fsdp_mem_otel.model import (
     AFTER_POST_BACKWARD,
     AFTER_POST_FORWARD,
@@ -148,12 +150,12 @@ def _make_wrappers(orig: _RuntimeFns) -> _RuntimeFns:
         return out
 
     return _RuntimeFns(
-        pre_backward_hook=pre_backward_hook,
-        post_backward_hook=_post(orig.post_backward_hook),
-        post_backward_reshard_only_hook=_post(orig.post_backward_reshard_only_hook),
-        post_backward_final_callback=post_backward_final_callback,
-        unshard=unshard,
-        reshard=reshard,
+        pre_backward_hook=dynamo_safe(pre_backward_hook),
+        post_backward_hook=dynamo_safe(_post(orig.post_backward_hook)),
+        post_backward_reshard_only_hook=dynamo_safe(_post(orig.post_backward_reshard_only_hook)),
+        post_backward_final_callback=dynamo_safe(post_backward_final_callback),
+        unshard=dynamo_safe(unshard),
+        reshard=dynamo_safe(reshard),
     )
 
 
@@ -196,28 +198,38 @@ class FSDP1Adapter:
         self._scan()
 
     def _scan(self) -> None:
-        self._keys = {m: module_key(p) for p, m in fsdp_module_paths(self._model, FSDP)}
+        self._keys = {m: key for key, m in fsdp_module_keys(self._model, FSDP)}
 
     # -- Adapter protocol ---------------------------------------------------------------------
     def attach(self) -> None:
-        """Register forward hooks on every FSDP module and join the process-wide backward patch."""
+        """Register forward hooks on every FSDP module and join the process-wide backward patch;
+        on failure, undo what was installed and re-raise."""
         if self._attached:
             return
         self._scan()
-        for m in self._keys:
-            inner = m._fsdp_wrapped_module
-            self._hooks += [
-                m.register_forward_pre_hook(self._fwd_hook(m, BEFORE_PRE_FORWARD), prepend=True),
-                inner.register_forward_pre_hook(self._fwd_hook(m, AFTER_PRE_FORWARD)),
-                inner.register_forward_hook(self._fwd_hook(m, BEFORE_POST_FORWARD), prepend=True, always_call=True),
-                m.register_forward_hook(self._fwd_hook(m, AFTER_POST_FORWARD), always_call=True),
-            ]
-        with _LOCK:
+        self._attached = True  # from here on, detach() undoes whatever got installed
+        try:
             for m in self._keys:
-                _OWNERS.setdefault(m, []).append(self)
-            _ATTACHED.add(self)
-            _install()
-        self._attached = True
+                inner = m._fsdp_wrapped_module
+                self._hooks += [
+                    m.register_forward_pre_hook(self._fwd_hook(m, BEFORE_PRE_FORWARD), prepend=True),
+                    inner.register_forward_pre_hook(self._fwd_hook(m, AFTER_PRE_FORWARD)),
+                    inner.register_forward_hook(
+                        self._fwd_hook(m, BEFORE_POST_FORWARD), prepend=True, always_call=True
+                    ),
+                    m.register_forward_hook(self._fwd_hook(m, AFTER_POST_FORWARD), always_call=True),
+                ]
+            for p in self._unmanaged_params():
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(dynamo_safe(self._on_grad)))
+            with _LOCK:
+                _ATTACHED.add(self)
+                for m in self._keys:
+                    _OWNERS.setdefault(m, []).append(self)
+                _install()
+        except BaseException:
+            self.detach()
+            raise
 
     def detach(self) -> None:
         """Remove every hook; restore the patched globals when the last adapter detaches."""
@@ -246,37 +258,54 @@ class FSDP1Adapter:
 
     def persistent_tensors(self) -> Iterator[tuple[torch.Tensor, str]]:
         """Local flat-param shards, existing grads, unmanaged params and all buffers."""
-        managed: set[int] = set()
         for m in self._keys:
             handle = m._handle
-            if handle is None:
-                continue
-            fp = handle.flat_param
-            managed.add(id(fp))
-            for attr in ("_params", "_shared_params"):  # use_orig_params: views into fp
-                managed.update(id(p) for p in getattr(fp, attr, None) or ())
-            yield getattr(fp, "_local_shard", fp), SHARDED_PARAM
-            yield from _flat_grads(fp)
-        for p in self._model.parameters():
-            if id(p) not in managed:
-                yield p, SHARDED_PARAM
-                if p.grad is not None:
-                    yield p.grad, SHARDED_GRAD
+            if handle is not None:
+                fp = handle.flat_param
+                yield getattr(fp, "_local_shard", fp), SHARDED_PARAM
+                yield from _flat_grads(fp)
+        for p in self._unmanaged_params():
+            yield p, SHARDED_PARAM
+            if p.grad is not None:
+                yield p.grad, SHARDED_GRAD
         for b in self._model.buffers():
             yield b, BUFFER
 
+    def _unmanaged_params(self) -> list[nn.Parameter]:
+        """Parameters no FSDP module manages (those of ``ignored_modules``)."""
+        managed: set[int] = set()
+        for m in self._keys:
+            handle = m._handle
+            if handle is not None:
+                fp = handle.flat_param
+                managed.add(id(fp))
+                for attr in ("_params", "_shared_params"):  # use_orig_params: views into fp
+                    managed.update(id(p) for p in getattr(fp, attr, None) or ())
+        return [p for p in self._model.parameters() if id(p) not in managed]
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        try:
+            self._sink.track(param.grad, SHARDED_GRAD)
+        except Exception as exc:  # noqa: BLE001 - never break training
+            self._report(exc)
+
     # -- forward ------------------------------------------------------------------------------
     def _fwd_hook(self, state: Any, which: str) -> Callable[..., None]:
-        def hook(*_: Any) -> None:
+        def hook(*args: Any) -> None:
+            tensors = None
             if which == AFTER_PRE_FORWARD:
                 self._track_unsharded(state._handle)
                 if getattr(state, "_is_root", False):  # lazy init / mixed precision re-cast them
                     self._track_buffers()
+                tensors = args[1]  # the inputs, as FSDP's pre-forward left them
             elif which == AFTER_POST_FORWARD:
                 self._refresh_unsharded(state._handle)
-            self._on_state(state, which)
+                tensors = args[2]  # the outputs
+            elif which == BEFORE_POST_FORWARD:
+                tensors = args[2]
+            self._on_state(state, which, tensors)
 
-        return hook
+        return dynamo_safe(hook)
 
     # -- backward (called from the process-wide wrappers; none of these raise) ----------------
     def _pre_backward_begin(self, state: Any, handle: Any) -> bool:
@@ -324,9 +353,9 @@ class FSDP1Adapter:
             self._pre_bw_seen.discard(s)
 
     # -- sink calls, each guarded so our errors never reach FSDP ------------------------------
-    def _on_state(self, state: Any, which: str) -> None:
+    def _on_state(self, state: Any, which: str, tensors: object = None) -> None:
         try:
-            self._sink.on_state(self._keys[state], which)
+            self._sink.on_state(self._keys[state], which, tensors)
         except Exception as exc:  # noqa: BLE001 - never break training
             self._report(exc)
 

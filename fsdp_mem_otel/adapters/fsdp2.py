@@ -3,23 +3,30 @@
 Hook points:
 - forward: four module hooks per FSDP module, two around FSDP's own pre-forward hook and two
   around its post-forward hook (FSDP registers its pre-hook with ``prepend=True``; ours, registered
-  later with ``prepend=True``, runs before it). Nothing of FSDP's is replaced.
+  later with ``prepend=True``, runs before it). The last one is ``always_call`` so a forward that
+  raises still ends. Nothing of FSDP's is replaced.
 - backward and communication: per ``FSDPParamGroup`` instance, ``pre_backward``,
   ``post_backward``, ``unshard``, ``wait_for_unshard`` and ``reshard`` are wrapped by instance
   attributes (as upstream ``FSDPMemTracker`` does for the first two). Detach deletes those
-  attributes, so the class methods are what runs again.
+  attributes, so the class methods are what runs again. A group shared by several modules
+  (``fully_shard([a, b])``) is wrapped once and reports its states for each of them.
 
 What FSDP tells us, by category (exact in light mode):
-- sharded_param: each FSDPParam's local shard (``sharded_param``), at attach.
+- sharded_param: each FSDPParam's local shard (``sharded_param``), at attach; parameters FSDP does
+  not manage (``ignored_params``) count here too, whole.
 - unsharded_param: ``all_gather_outputs`` storages after ``wait_for_unshard``; resized to 0 on
-  ``reshard`` (re-read then).
+  ``reshard`` (re-read then). With ``reshard_after_forward=<int>``, the smaller post-forward copies
+  (``_sharded_post_forward_param_data``) FSDP keeps between forward and backward.
 - all_gather: ``_all_gather_result.all_gather_output`` after ``unshard`` (the flat buffer; the
   all-gather input is a view into it), until FSDP drops it.
-- unsharded_grad: ``unsharded_param.grad`` / ``unsharded_accumulated_grad`` when
-  ``post_backward`` starts.
-- sharded_grad: ``sharded_param.grad`` after ``post_backward``.
+- unsharded_grad: ``unsharded_param.grad`` when ``post_backward`` starts; after it, what FSDP keeps
+  unreduced (gradient accumulation without sync: the grad itself, or the reduce-dtype
+  ``unsharded_accumulated_grad`` under mixed precision).
+- sharded_grad: ``sharded_param.grad`` after ``post_backward``; grads of unmanaged parameters when
+  autograd accumulates them.
 - reduce_scatter: the newest ``comm_ctx.reduce_scatter_states`` input after ``post_backward``,
-  until FSDP releases it.
+  until FSDP releases it. Where the shard group has one rank (HSDP with shard size 1, one rank)
+  no reduce-scatter runs and the buffer is a plain copy: temp, as upstream FSDPMemTracker says.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.utils.hooks import RemovableHandle
 
-from fsdp_mem_otel.adapters.base import EventSink, fsdp_module_paths, module_key
+from fsdp_mem_otel.adapters.base import EventSink, fsdp_module_keys
+from fsdp_mem_otel.compile_support import dynamo_safe
 from fsdp_mem_otel.model import (
     AFTER_POST_BACKWARD,
     AFTER_POST_FORWARD,
@@ -48,6 +56,7 @@ from fsdp_mem_otel.model import (
     REDUCE_SCATTER,
     SHARDED_GRAD,
     SHARDED_PARAM,
+    TEMP,
     UNSHARDED_GRAD,
     UNSHARDED_PARAM,
 )
@@ -75,41 +84,68 @@ class FSDP2Adapter:
     def __init__(self, model: nn.Module, sink: EventSink) -> None:
         self._model = model
         self._sink = sink
-        self._modules = fsdp_module_paths(model, FSDPModule)
+        self._modules = fsdp_module_keys(model, FSDPModule)
         self._handles: list[RemovableHandle] = []
         self._saved: list[_SavedAttr] = []
 
     def module_keys(self) -> list[str]:
-        return [module_key(p) for p, _ in self._modules]
+        return [key for key, _ in self._modules]
 
     def persistent_tensors(self) -> Iterator[tuple[torch.Tensor, str]]:
+        managed: set[int] = set()
         for _, group in self._groups():
             for fp in group.fsdp_params:
+                managed.add(id(fp.sharded_param))
                 yield fp.sharded_param, SHARDED_PARAM
                 if fp.sharded_param.grad is not None:
                     yield fp.sharded_param.grad, SHARDED_GRAD
+        for p in self._unmanaged_params(managed):
+            yield p, SHARDED_PARAM
+            if p.grad is not None:
+                yield p.grad, SHARDED_GRAD
         for buf in self._model.buffers():
             yield buf, BUFFER
 
-    def _groups(self) -> Iterator[tuple[str, Any]]:
-        for path, mod in self._modules:
+    def _unmanaged_params(self, managed: set[int]) -> list[nn.Parameter]:
+        return [p for p in self._model.parameters() if id(p) not in managed]
+
+    def _groups(self) -> Iterator[tuple[list[str], Any]]:
+        """(keys of the modules sharing it, group) for each FSDPParamGroup, once."""
+        keys_of: dict[int, list[str]] = {}
+        groups: dict[int, Any] = {}
+        for key, mod in self._modules:
             state = mod._get_fsdp_state()  # type: ignore[operator]
             for group in state._fsdp_param_groups:
-                yield module_key(path), group
+                keys_of.setdefault(id(group), []).append(key)
+                groups[id(group)] = group
+        for gid, group in groups.items():
+            yield keys_of[gid], group
 
     # -- attach / detach -----------------------------------------------------------------------
     def attach(self) -> None:
+        """Install hooks and patches; on failure, undo what was installed and re-raise."""
+        try:
+            self._attach()
+        except BaseException:
+            self.detach()
+            raise
+
+    def _attach(self) -> None:
         sink = self._sink
-        for path, mod in self._modules:
-            key = module_key(path)
+        for key, mod in self._modules:
             self._handles += [
                 mod.register_forward_pre_hook(_state_hook(sink, key, BEFORE_PRE_FORWARD), prepend=True),
-                mod.register_forward_pre_hook(_state_hook(sink, key, AFTER_PRE_FORWARD)),
-                mod.register_forward_hook(_state_hook(sink, key, BEFORE_POST_FORWARD), prepend=True),
-                mod.register_forward_hook(_state_hook(sink, key, AFTER_POST_FORWARD)),
+                mod.register_forward_pre_hook(_io_hook(sink, key, AFTER_PRE_FORWARD, 1)),
+                mod.register_forward_hook(_io_hook(sink, key, BEFORE_POST_FORWARD, 2), prepend=True),
+                mod.register_forward_hook(_io_hook(sink, key, AFTER_POST_FORWARD, 2), always_call=True),
             ]
-        for key, group in self._groups():
-            self._patch_group(key, group)
+        managed: set[int] = set()
+        for keys, group in self._groups():
+            managed.update(id(fp.sharded_param) for fp in group.fsdp_params)
+            self._patch_group(keys, group)
+        for p in self._unmanaged_params(managed):
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(_grad_hook(sink)))
 
     def detach(self) -> None:
         for h in self._handles:
@@ -129,48 +165,68 @@ class FSDP2Adapter:
         self._saved.append(_SavedAttr(owner, name, existed, owner.__dict__.get(name), wrapper))
         setattr(owner, name, wrapper)
 
-    def _patch_group(self, key: str, group: Any) -> None:
+    def _patch_group(self, keys: list[str], group: Any) -> None:
         sink = self._sink
+        fsdp_params = group.fsdp_params
+        rs_group = getattr(group, "_reduce_scatter_process_group", None)
+        reduce_category = TEMP if rs_group is None or rs_group.size() == 1 else REDUCE_SCATTER
+        post_forward_shards = getattr(group, "post_forward_mesh_info", None) is not None
+
+        def on_state(state: str) -> Callable[[], None]:
+            def emit() -> None:
+                for key in keys:
+                    sink.on_state(key, state)
+
+            return emit
+
+        before_pre_backward, after_pre_backward = on_state(BEFORE_PRE_BACKWARD), on_state(AFTER_PRE_BACKWARD)
+        emit_before_post_backward, emit_after_post_backward = (
+            on_state(BEFORE_POST_BACKWARD), on_state(AFTER_POST_BACKWARD))
 
         def before_post_backward() -> None:
-            for fp in group.fsdp_params:
+            for fp in fsdp_params:
                 if hasattr(fp, "_unsharded_param"):
                     sink.track(fp._unsharded_param.grad, UNSHARDED_GRAD)
                 sink.track(fp.unsharded_accumulated_grad, UNSHARDED_GRAD)
-            sink.on_state(key, BEFORE_POST_BACKWARD)
+            emit_before_post_backward()
 
         def after_post_backward() -> None:
-            for fp in group.fsdp_params:
+            for fp in fsdp_params:
                 sink.track(fp.sharded_param.grad, SHARDED_GRAD)
+                # kept unreduced (accumulation without gradient sync)
+                sink.track(fp.unsharded_accumulated_grad, UNSHARDED_GRAD)
             refresh_unsharded()
             states = getattr(group.comm_ctx, "reduce_scatter_states", None)
             if states:
-                sink.track(states[-1].reduce_scatter_input, REDUCE_SCATTER)
-            sink.on_state(key, AFTER_POST_BACKWARD)
+                sink.track(states[-1].reduce_scatter_input, reduce_category)
+            emit_after_post_backward()
 
         def after_unshard() -> None:
             if group._all_gather_result is not None:
                 sink.track(group._all_gather_result.all_gather_output, ALL_GATHER)
 
         def after_wait_for_unshard() -> None:
-            for fp in group.fsdp_params:
+            for fp in fsdp_params:
                 for t in fp.all_gather_outputs:
                     sink.track(t, UNSHARDED_PARAM)
 
         def refresh_unsharded() -> None:
-            for fp in group.fsdp_params:
+            for fp in fsdp_params:
                 for t in fp.all_gather_outputs:
                     sink.refresh(t)
 
+        def after_reshard() -> None:
+            refresh_unsharded()
+            if post_forward_shards:
+                for fp in fsdp_params:
+                    sink.track(getattr(fp, "_sharded_post_forward_param_data", None), UNSHARDED_PARAM)
+
         wrappers: dict[str, tuple[Callable[[], None] | None, Callable[[], None] | None]] = {
-            "pre_backward": (
-                lambda: sink.on_state(key, BEFORE_PRE_BACKWARD),
-                lambda: sink.on_state(key, AFTER_PRE_BACKWARD),
-            ),
+            "pre_backward": (before_pre_backward, after_pre_backward),
             "post_backward": (before_post_backward, after_post_backward),
             "unshard": (None, after_unshard),
             "wait_for_unshard": (None, after_wait_for_unshard),
-            "reshard": (None, refresh_unsharded),
+            "reshard": (None, after_reshard),
         }
         for name, (before, after) in wrappers.items():
             orig = getattr(group, name)
@@ -178,7 +234,7 @@ class FSDP2Adapter:
             if name == "pre_backward":
                 # Runs once per output tensor that needs grad; FSDP acts on the first call only.
                 wrapper = _unless_in_pre_backward(group, wrapper, orig)
-            self._patch(group, name, wrapper)
+            self._patch(group, name, dynamo_safe(wrapper))
 
 
 def _around(
@@ -222,4 +278,21 @@ def _state_hook(sink: EventSink, key: str, state: str) -> Callable[..., None]:
     def hook(*_: Any) -> None:
         sink.on_state(key, state)
 
-    return hook
+    return dynamo_safe(hook)
+
+
+def _io_hook(sink: EventSink, key: str, state: str, index: int) -> Callable[..., None]:
+    """A hook passing the module's inputs (``index`` 1 of a pre-hook's arguments) or outputs
+    (``index`` 2 of a forward hook's) with the state."""
+
+    def hook(*args: Any) -> None:
+        sink.on_state(key, state, args[index])
+
+    return dynamo_safe(hook)
+
+
+def _grad_hook(sink: EventSink) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        sink.track(param.grad, SHARDED_GRAD)
+
+    return dynamo_safe(hook)

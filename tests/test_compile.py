@@ -1,0 +1,141 @@
+"""The tracker under torch.compile: 2 real FSDP2 ranks, compiled per block (torchtitan's way) and
+as a whole, against the same compiled training without the tracker.
+
+Oracles: the untracked compiled run of the same model (losses and parameters bitwise, dynamo's
+own counters of compiles and graph breaks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_mem_otel.demo import BlockModel, make_batch, train_step
+from fsdp_mem_otel.model import STATES
+from fsdp_mem_otel.tracker import DEEP_SKIPPED_COMPILED, FSDPMemoryTracker
+from tests.dist import run_ranks
+
+BLOCKS, WIDTH, BATCH, STEPS = 2, 32, 8, 4
+BOUNDARY_STATES = STATES[:8]
+
+# name -> (how blocks are compiled, how the whole model is, fullgraph, backend)
+VARIANTS: dict[str, tuple[str, str, bool, str]] = {
+    # torchtitan: block.compile(fullgraph=True) then fully_shard(block); inductor, as in production
+    "block_inplace_fullgraph": ("inplace", "", True, "inductor"),
+    "block_inplace_graph_breaks_allowed": ("inplace", "", False, "aot_eager"),
+    "block_wrapper": ("wrapper", "", False, "aot_eager"),
+    "whole_model": ("", "wrapper", False, "aot_eager"),
+    "whole_model_inplace": ("", "inplace", False, "aot_eager"),
+}
+
+
+@dataclass
+class CompiledRun:
+    losses: list[float]
+    params: list[bytes]
+    compiles: int  # frames dynamo compiled (a recompile adds one)
+    graph_breaks: int
+    unique_graphs: int
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+    errors: int = 0
+
+
+def _build(variant: str) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
+    """(what the user calls, the FSDP root, optimizer) for one compile variant."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks, whole, fullgraph, backend = VARIANTS[variant]
+    torch.manual_seed(0)
+    model = BlockModel(BLOCKS, WIDTH)
+    for i, block in enumerate(model.layers):
+        if blocks == "inplace":
+            block.compile(backend=backend, fullgraph=fullgraph)
+        elif blocks == "wrapper":
+            model.layers[i] = torch.compile(block, backend=backend, fullgraph=fullgraph)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    top: nn.Module = model
+    if whole == "wrapper":
+        top = torch.compile(model, backend=backend)  # type: ignore[assignment]
+    elif whole == "inplace":
+        model.compile(backend=backend)
+    return top, model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def _train(variant: str, tracked: bool, deep_when_compiled: str = "skip") -> CompiledRun:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from fsdp_mem_otel.config import TrackerConfig
+
+    torch._dynamo.reset()
+    counters.clear()
+    rank = torch.distributed.get_rank()
+    top, model, opt = _build(variant)
+    tracker = None
+    if tracked:
+        config = TrackerConfig(deep_every=2, deep_when_compiled=deep_when_compiled)
+        tracker = FSDPMemoryTracker(top, opt, config=config).attach()
+    losses, reports = [], []
+    for step in range(STEPS):
+        losses.append(train_step(top, opt, make_batch(step, BATCH, WIDTH, rank)))
+        if tracker is not None:
+            reports.append(tracker.step().to_dict())
+    if tracker is not None:
+        tracker.detach()
+    return CompiledRun(
+        losses=losses,
+        params=[p.detach().to_local().clone().numpy().tobytes() for p in model.parameters()],  # type: ignore[operator]
+        compiles=counters["frames"]["ok"],
+        graph_breaks=sum(counters["graph_break"].values()),
+        unique_graphs=counters["stats"]["unique_graphs"],
+        reports=reports,
+        keys=tracker.module_keys if tracker else [],
+        errors=tracker.errors_total if tracker else 0,
+    )
+
+
+def compiled_pair(variant: str) -> tuple[CompiledRun, CompiledRun]:
+    """Rank body: the untracked and the tracked (light, deep_every=2) compiled run."""
+    return _train(variant, tracked=False), _train(variant, tracked=True)
+
+
+def eager_deep_steps() -> CompiledRun:
+    """Rank body: deep_when_compiled='eager' on fullgraph-compiled blocks."""
+    return _train("block_inplace_fullgraph", tracked=True, deep_when_compiled="eager")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_light_and_deep_every_leave_compiled_training_unchanged(variant: str) -> None:
+    for untracked, tracked in run_ranks(compiled_pair, variant, timeout=600):
+        assert tracked.errors == 0
+        assert tracked.losses == untracked.losses
+        assert tracked.params == untracked.params
+        # no graph break, compile or graph added by the tracker's hooks
+        assert (tracked.compiles, tracked.graph_breaks, tracked.unique_graphs) == (
+            untracked.compiles, untracked.graph_breaks, untracked.unique_graphs)
+        assert untracked.compiles > 0 and untracked.unique_graphs > 0  # compiled code did run
+        assert tracked.keys == ["<root>", "layers.0", "layers.1"]  # _orig_mod is no module key
+        for report in tracked.reports:
+            for key in tracked.keys:
+                assert set(BOUNDARY_STATES) <= set(report["modules"][key]["snapshots"]), (key, report["step"])
+                forward_end = report["modules"][key]["snapshots"]["after_post_forward"][0]["cpu"]
+                assert forward_end["activation"] > 0, key  # saved tensors of compiled code seen
+        # deep steps (2 and 4) would run compiled code eagerly: they stay light and say why
+        assert [r["mode"] for r in tracked.reports] == ["light"] * STEPS
+        assert [r["deep_skipped"] for r in tracked.reports] == [None, DEEP_SKIPPED_COMPILED] * 2
+
+
+def test_eager_deep_steps_on_request() -> None:
+    for run in run_ranks(eager_deep_steps, timeout=600):
+        assert run.errors == 0
+        assert [r["mode"] for r in run.reports] == ["light", "deep"] * 2
+        assert all(r["deep_skipped"] is None for r in run.reports)
+        for report in run.reports[1::2]:  # deep steps see every op, here eagerly
+            assert report["peak"]["cpu"]["activation"] > 0
