@@ -37,8 +37,7 @@ VARIANTS: dict[str, tuple[str, str, bool, str]] = {
 class CompiledRun:
     losses: list[float]
     params: list[bytes]
-    compiles: int  # frames dynamo compiled (a recompile adds one)
-    graph_breaks: int
+    dynamo_counters: dict[str, dict[str, int]]  # compiles, graph breaks (by reason), graphs, ...
     unique_graphs: int
     reports: list[dict[str, Any]] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
@@ -92,8 +91,7 @@ def _train(variant: str, tracked: bool, deep_when_compiled: str = "skip") -> Com
     return CompiledRun(
         losses=losses,
         params=[p.detach().to_local().clone().numpy().tobytes() for p in model.parameters()],  # type: ignore[operator]
-        compiles=counters["frames"]["ok"],
-        graph_breaks=sum(counters["graph_break"].values()),
+        dynamo_counters=_comparable(counters),
         unique_graphs=counters["stats"]["unique_graphs"],
         reports=reports,
         keys=tracker.module_keys if tracker else [],
@@ -101,8 +99,26 @@ def _train(variant: str, tracked: bool, deep_when_compiled: str = "skip") -> Com
     )
 
 
-def compiled_pair(variant: str) -> tuple[CompiledRun, CompiledRun]:
-    """Rank body: the untracked and the tracked (light, deep_every=2) compiled run."""
+def _comparable(counters: Any) -> dict[str, dict[str, int]]:
+    """Dynamo's counters, comparable between two runs. "frames" counts every code object dynamo
+    was shown, also those it skips untouched (the tracker's hooks are on its skip list); graph
+    breaks are counted, not named (under whole-model compile the break before an FSDP module's
+    hooks names the first hook dynamo meets, the tracker's instead of FSDP's)."""
+    out = {k: dict(v) for k, v in counters.items() if k not in ("frames", "graph_break", "unimplemented")}
+    out["breaks"] = {k: sum(counters[k].values()) for k in ("graph_break", "unimplemented")}
+    return out
+
+
+def compiled_pair(variant: str, skip_list: bool = True) -> tuple[CompiledRun, CompiledRun]:
+    """Rank body: the untracked and the tracked (light, deep_every=2) compiled run.
+
+    ``skip_list=False``: as on a torch whose dynamo skip list cannot be extended, the tracker's
+    hooks are wrapped in torch.compiler.disable instead.
+    """
+    if not skip_list:
+        from fsdp_mem_otel import compile_support
+
+        compile_support._skipped = False
     return _train(variant, tracked=False), _train(variant, tracked=True)
 
 
@@ -111,16 +127,17 @@ def eager_deep_steps() -> CompiledRun:
     return _train("block_inplace_fullgraph", tracked=True, deep_when_compiled="eager")
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_light_and_deep_every_leave_compiled_training_unchanged(variant: str) -> None:
-    for untracked, tracked in run_ranks(compiled_pair, variant, timeout=600):
+@pytest.mark.parametrize(
+    ("variant", "skip_list"), [(v, True) for v in VARIANTS] + [("block_inplace_fullgraph", False)]
+)
+def test_light_and_deep_every_leave_compiled_training_unchanged(variant: str, skip_list: bool) -> None:
+    for untracked, tracked in run_ranks(compiled_pair, variant, skip_list, timeout=600):
         assert tracked.errors == 0
         assert tracked.losses == untracked.losses
         assert tracked.params == untracked.params
-        # no graph break, compile or graph added by the tracker's hooks
-        assert (tracked.compiles, tracked.graph_breaks, tracked.unique_graphs) == (
-            untracked.compiles, untracked.graph_breaks, untracked.unique_graphs)
-        assert untracked.compiles > 0 and untracked.unique_graphs > 0  # compiled code did run
+        # no graph break, (re)compile or graph added by the tracker's hooks: dynamo counts alike
+        assert tracked.dynamo_counters == untracked.dynamo_counters
+        assert untracked.unique_graphs > 0  # compiled code did run
         assert tracked.keys == ["<root>", "layers.0", "layers.1"]  # _orig_mod is no module key
         for report in tracked.reports:
             for key in tracked.keys:
