@@ -469,14 +469,16 @@ class FSDPMemoryTracker:
                 logger.exception("fsdp_mem_otel: detach after errors failed")
 
     # -- optimizer -----------------------------------------------------------------------------
-    def _on_optimizer_pre(self, _opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _on_optimizer_pre(self, opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.context.in_optimizer = True
         try:
-            # optimizer.step(closure): the closure's forward and backward are not optimizer work
-            if "closure" in kwargs and kwargs["closure"] is not None:
+            # optimizer.step(closure): the closure's forward and backward are not optimizer work.
+            # ``args`` are step()'s own: the optimizer itself, then the closure if positional.
+            if kwargs.get("closure") is not None:
                 return args, {**kwargs, "closure": self._outside_optimizer(kwargs["closure"])}
-            if args and callable(args[0]):
-                return (self._outside_optimizer(args[0]), *args[1:]), kwargs
+            first = 1 if args and args[0] is opt else 0
+            if len(args) > first and callable(args[first]):
+                return (*args[:first], self._outside_optimizer(args[first]), *args[first + 1:]), kwargs
         except Exception as exc:  # noqa: BLE001
             self.report_error(exc)
         return None

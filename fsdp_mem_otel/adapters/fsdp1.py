@@ -209,16 +209,14 @@ class FSDP1Adapter:
         self._scan()
         self._attached = True  # from here on, detach() undoes whatever got installed
         try:
+            hooks = self._hooks  # one at a time: a failing registration leaves the others removable
             for m in self._keys:
                 inner = m._fsdp_wrapped_module
-                self._hooks += [
-                    m.register_forward_pre_hook(self._fwd_hook(m, BEFORE_PRE_FORWARD), prepend=True),
-                    inner.register_forward_pre_hook(self._fwd_hook(m, AFTER_PRE_FORWARD)),
-                    inner.register_forward_hook(
-                        self._fwd_hook(m, BEFORE_POST_FORWARD), prepend=True, always_call=True
-                    ),
-                    m.register_forward_hook(self._fwd_hook(m, AFTER_POST_FORWARD), always_call=True),
-                ]
+                hooks.append(m.register_forward_pre_hook(self._fwd_hook(m, BEFORE_PRE_FORWARD), prepend=True))
+                hooks.append(inner.register_forward_pre_hook(self._fwd_hook(m, AFTER_PRE_FORWARD)))
+                hooks.append(inner.register_forward_hook(
+                    self._fwd_hook(m, BEFORE_POST_FORWARD), prepend=True, always_call=True))
+                hooks.append(m.register_forward_hook(self._fwd_hook(m, AFTER_POST_FORWARD), always_call=True))
             for p in self._unmanaged_params():
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(dynamo_safe(self._on_grad)))

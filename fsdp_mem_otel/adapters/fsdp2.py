@@ -132,13 +132,12 @@ class FSDP2Adapter:
 
     def _attach(self) -> None:
         sink = self._sink
+        handles = self._handles  # one at a time: a failing registration leaves the others removable
         for key, mod in self._modules:
-            self._handles += [
-                mod.register_forward_pre_hook(_state_hook(sink, key, BEFORE_PRE_FORWARD), prepend=True),
-                mod.register_forward_pre_hook(_io_hook(sink, key, AFTER_PRE_FORWARD, 1)),
-                mod.register_forward_hook(_io_hook(sink, key, BEFORE_POST_FORWARD, 2), prepend=True),
-                mod.register_forward_hook(_io_hook(sink, key, AFTER_POST_FORWARD, 2), always_call=True),
-            ]
+            handles.append(mod.register_forward_pre_hook(_state_hook(sink, key, BEFORE_PRE_FORWARD), prepend=True))
+            handles.append(mod.register_forward_pre_hook(_io_hook(sink, key, AFTER_PRE_FORWARD, 1)))
+            handles.append(mod.register_forward_hook(_io_hook(sink, key, BEFORE_POST_FORWARD, 2), prepend=True))
+            handles.append(mod.register_forward_hook(_io_hook(sink, key, AFTER_POST_FORWARD, 2), always_call=True))
         managed: set[int] = set()
         for keys, group in self._groups():
             managed.update(id(fp.sharded_param) for fp in group.fsdp_params)
