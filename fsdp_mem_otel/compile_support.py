@@ -30,6 +30,7 @@ _HOOK_MODULES = (
     "fsdp_mem_otel.allocator",
     "fsdp_mem_otel.compile_support",
     "fsdp_mem_otel.deep",
+    "fsdp_mem_otel.integrations._session",
     "fsdp_mem_otel.ledger",
     "fsdp_mem_otel.model",
     "fsdp_mem_otel.recorder",
