@@ -1,0 +1,244 @@
+"""What light mode used to miss, each against FSDP's own buffers or numel x element size, on real
+ranks (gloo): mixed-precision accumulation without gradient sync, ``reshard_after_forward=<int>``,
+ignored parameters / modules, HSDP with one rank per shard group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_mem_otel.demo import Block, BlockModel, make_batch
+from fsdp_mem_otel.model import CATEGORY_KEYS, TOTAL
+from fsdp_mem_otel.tracker import FSDPMemoryTracker
+from tests.dist import run_ranks
+from tests.workers import BATCH, BLOCKS, WIDTH, _upstream_snapshot, grad_bytes, settle, sharded_param_bytes
+
+
+def _fsdp2_groups(model: nn.Module) -> list[Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = {}
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            for g in m._get_fsdp_state()._fsdp_param_groups:
+                groups[id(g)] = g
+    return list(groups.values())
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.untyped_storage().nbytes()
+
+
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).float().pow(2).mean()
+
+
+# -- mixed precision, accumulation without gradient sync --------------------------------------
+@dataclass
+class AccumulationResult:
+    ledger_unsharded_grad: dict[str, int]  # mode -> unsharded_grad bytes after micro-batch 1
+    fsdp_accumulated: int  # FSDP's own unsharded_accumulated_grad bytes then
+    errors: int
+
+
+def mp_accumulation() -> AccumulationResult:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = BlockModel(BLOCKS, WIDTH)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.Adam(model.parameters())
+    seen: dict[str, int] = {}
+    accumulated = 0
+    errors = 0
+    for mode in ("light", "deep"):
+        with FSDPMemoryTracker(model, opt, mode=mode) as tracker:
+            x = make_batch(0, BATCH, WIDTH, rank)
+            model.set_requires_gradient_sync(False)  # type: ignore[operator]
+            _loss(model, x[: BATCH // 2]).backward()
+            # between micro-batches FSDP holds the fp32 accumulated unsharded grads
+            accumulated = sum(_nbytes(fp.unsharded_accumulated_grad) for g in _fsdp2_groups(model)
+                              for fp in g.fsdp_params)
+            seen[mode] = tracker.ledger.snapshot()["cpu"]["unsharded_grad"]
+            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+            _loss(model, x[BATCH // 2:]).backward()
+            opt.step()
+            opt.zero_grad()
+            tracker.step()
+        errors += tracker.errors_total
+    return AccumulationResult(seen, accumulated, errors)
+
+
+def test_mixed_precision_accumulation_keeps_fp32_unsharded_grads() -> None:
+    block = sum(p.numel() for p in Block(WIDTH).parameters())
+    head = WIDTH * WIDTH + WIDTH
+    for res in run_ranks(mp_accumulation):
+        assert res.errors == 0
+        # FSDP's own buffers, and numel x 4 bytes (fp32 reduce dtype) of the whole model
+        assert res.fsdp_accumulated == (BLOCKS * block + head) * 4
+        assert res.ledger_unsharded_grad == {"light": res.fsdp_accumulated, "deep": res.fsdp_accumulated}
+
+
+# -- reshard_after_forward=<int>: post-forward shards between forward and backward -------------
+@dataclass
+class PostForwardResult:
+    ledger_unsharded_param: int
+    fsdp_held: int  # bytes of what FSDP holds unsharded or post-forward-sharded after forward
+    post_forward_shards: int
+    errors: int
+
+
+def post_forward_shards() -> PostForwardResult:
+    from torch.distributed.fsdp import fully_shard
+
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = BlockModel(BLOCKS, WIDTH)
+    for block in model.layers:
+        fully_shard(block, reshard_after_forward=2)  # reshard to groups of 2 of the 4 ranks
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters())
+    x = make_batch(0, BATCH, WIDTH, rank)
+    with FSDPMemoryTracker(model, opt) as tracker:
+        loss = _loss(model, x)  # forward done, backward not started: what FSDP holds now
+        shards = sum(_nbytes(getattr(fp, "_sharded_post_forward_param_data", None)) for g in _fsdp2_groups(model)
+                     for fp in g.fsdp_params)
+        held = shards + sum(_nbytes(t) for g in _fsdp2_groups(model) for fp in g.fsdp_params
+                            for t in fp.all_gather_outputs)
+        seen = tracker.ledger.snapshot()["cpu"]["unsharded_param"]
+        loss.backward()
+        opt.step()
+        tracker.step()
+    return PostForwardResult(seen, held, shards, tracker.errors_total)
+
+
+def test_post_forward_shards_count_as_unsharded_params() -> None:
+    for res in run_ranks(post_forward_shards, world_size=4):
+        assert res.errors == 0
+        # each block keeps its params resharded over 2 of 4 ranks: half of its numel x 4 bytes
+        block = sum(p.numel() for p in Block(WIDTH).parameters()) * 4
+        assert res.post_forward_shards == BLOCKS * block // 2
+        assert res.ledger_unsharded_param == res.fsdp_held
+
+
+# -- ignored parameters (FSDP2) and ignored modules (FSDP1) ------------------------------------
+@dataclass
+class IgnoredResult:
+    current: dict[str, int]
+    sharded_param_oracle: int
+    sharded_grad_oracle: int
+    errors: int
+
+
+def ignored(fsdp: int) -> IgnoredResult:
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    plain = BlockModel(BLOCKS, WIDTH)
+    model: nn.Module
+    if fsdp == 2:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in plain.layers:
+            fully_shard(block)
+        fully_shard(plain, ignored_params=set(plain.head.parameters()))
+        model = plain
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = FullyShardedDataParallel(plain, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                                         ignored_modules=[plain.head], use_orig_params=True,
+                                         device_id=torch.device("cpu"))
+    opt = torch.optim.Adam(model.parameters())
+    with FSDPMemoryTracker(model, opt) as tracker:
+        for step in range(2):
+            settle()
+            opt.zero_grad(set_to_none=True)
+            _loss(model, make_batch(step, BATCH, WIDTH, rank)).backward()
+            opt.step()
+            report = tracker.step()
+    return IgnoredResult(report.current["cpu"], sharded_param_bytes(model), grad_bytes(model), tracker.errors_total)
+
+
+@pytest.mark.parametrize("fsdp", [1, 2])
+def test_ignored_parameters_and_their_grads_are_counted(fsdp: int) -> None:
+    head = (WIDTH * WIDTH + WIDTH) * 4
+    for res in run_ranks(ignored, fsdp):
+        assert res.errors == 0
+        if fsdp == 2:
+            assert res.current["sharded_param"] == res.sharded_param_oracle
+            assert res.current["sharded_grad"] == res.sharded_grad_oracle
+        else:  # FSDP1 pads each flat shard; the ignored head (whole, unpadded) is on top
+            slack = 64 * 4 * (BLOCKS + 1) * 4
+            assert res.sharded_param_oracle <= res.current["sharded_param"] <= res.sharded_param_oracle + slack
+            assert res.sharded_grad_oracle <= res.current["sharded_grad"] <= res.sharded_grad_oracle + slack
+        assert res.current["sharded_grad"] >= head  # the ignored head's grads are in
+
+
+# -- HSDP with one rank per shard group: no reduce-scatter runs --------------------------------
+@dataclass
+class HSDPResult:
+    light: dict[str, Any]
+    deep: dict[str, Any]
+    upstream_peak: dict[str, dict[str, int]]
+    errors: int
+
+
+def hsdp_one_rank_shards() -> HSDPResult:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank = torch.distributed.get_rank()
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = BlockModel(BLOCKS, WIDTH)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters())
+    x = make_batch(0, BATCH, WIDTH, rank)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        _loss(model, x).backward()
+        opt.step()
+
+    step()
+    settle()
+    upstream = FSDPMemTracker(model, opt)
+    upstream.track_inputs((x,))
+    with upstream:
+        deep = FSDPMemoryTracker(model, opt, mode="deep").attach()
+        light = FSDPMemoryTracker(model, opt, mode="light").attach()
+        deep.track_inputs(x)
+        light.track_inputs(x)
+        step()
+        light_report, deep_report = light.step().to_dict(), deep.step().to_dict()
+        light.detach()
+        deep.detach()
+    return HSDPResult(light_report, deep_report, _upstream_snapshot(upstream.get_tracker_snapshot("peak")),
+                      light.errors_total + deep.errors_total)
+
+
+def test_hsdp_without_reduce_scatter_labels_no_reduce_scatter() -> None:
+    for res in run_ranks(hsdp_one_rank_shards):
+        assert res.errors == 0
+        theirs = res.upstream_peak["cpu"]
+        assert theirs["reduce_scatter"] == 0  # upstream: the unreduced copy is temp
+        ours = res.deep["peak"]["cpu"]
+        for cat in CATEGORY_KEYS:
+            assert abs(ours[cat] - theirs[cat]) <= 0.01 * theirs[TOTAL], (cat, ours[cat], theirs[cat])
+        for report in (res.light, res.deep):
+            assert report["peak"]["cpu"]["reduce_scatter"] == 0
+            for mod in report["modules"].values():
+                for calls in mod["snapshots"].values():
+                    assert all(snap["cpu"]["reduce_scatter"] == 0 for snap in calls)
