@@ -10,8 +10,11 @@ no per-op interception: the hooks run once per saved tensor.
 
 Composition:
 - Hooks pushed by the user before the forward (``save_on_cpu``, custom offloading) would be
-  shadowed by ours; instead ours chain to them: their pack runs, what it returns is accounted
-  (a CPU copy counts on the CPU), and their unpack is kept.
+  shadowed by ours; instead ours chain to them: their pack runs, the saved tensor and what their
+  pack returns are accounted (a CPU copy counts on the CPU; the original drops out when freed),
+  and their unpack is kept.
+- An FSDP module recomputed inside a checkpointed region (its hooks fire during backward): ours
+  chain to checkpointing's recomputation hooks for that recompute, so what it recomputes counts.
 - Activation checkpointing pushes its own hooks inside the checkpointed region: those win there,
   and what checkpointing keeps (its inputs) is saved under ours.
 - Compiled regions save through AOTAutograd's ``save_for_backward``, which calls the same hooks
@@ -96,7 +99,8 @@ class SavedTensorAccounting:
 
         def pack(t: torch.Tensor) -> Any:
             packed = their_pack(t)
-            try:
+            try:  # what is saved (alive as long as someone holds it) and what they keep of it
+                ledger.track_new(t, ACTIVATION)
                 for obj in packed if isinstance(packed, tuple) else (packed,):
                     if isinstance(obj, torch.Tensor):
                         ledger.track_new(obj, ACTIVATION)

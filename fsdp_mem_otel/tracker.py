@@ -104,6 +104,7 @@ class FSDPMemoryTracker:
         self._adapter = make_adapter(model, self)
         self._probe = AllocatorProbe(reset_peaks=config.reset_peaks)
         self._activations = SavedTensorAccounting(self.ledger, self.report_error)
+        self._recompute_activations = SavedTensorAccounting(self.ledger, self.report_error)
         if optimizer is not None:
             _check_optimizer_covers_model(optimizer, model)
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -127,6 +128,7 @@ class FSDPMemoryTracker:
         self._deep_skipped: str | None = None
         self._abort: StepAbort | None = None
         self._forward_depth = 0  # nesting of FSDP forwards now running (outside backward)
+        self._recompute_depth = 0  # nesting of FSDP forwards recomputed in backward
         self._reset_step_state()
 
     @classmethod
@@ -186,6 +188,7 @@ class FSDPMemoryTracker:
         self.attached = False
         self._leave_deep()
         self._activations.pop()
+        self._recompute_activations.pop()
         self._uninstall()
 
     def __enter__(self) -> FSDPMemoryTracker:
@@ -236,7 +239,8 @@ class FSDPMemoryTracker:
         )
         try:
             self._activations.pop()  # a forward that raised before its end
-            self._forward_depth = 0
+            self._recompute_activations.pop()
+            self._forward_depth = self._recompute_depth = 0
             if self._abort is None and self.recorder.in_pass:
                 self._abort = self._make_abort(
                     "IncompleteStep", "step() called while a forward or backward pass was still open", False
@@ -397,16 +401,18 @@ class FSDPMemoryTracker:
         t0 = time.perf_counter()
         try:
             in_backward = _in_backward() != -1
-            if tensors is None and state in _POST_FORWARD and self._abort is None:
-                self._note_raising_forward()
-            if not in_backward:
-                if state == BEFORE_PRE_FORWARD:
-                    self._forward_begins()
-                elif tensors is not None and self._deep_mode is None and self.config.activations:
-                    track_new = self.ledger.track_new
-                    for t in iter_tensors(tensors):
-                        track_new(t, ACTIVATION)
-            if not (in_backward and state in FORWARD_STATES):  # not a checkpoint recompute
+            if in_backward and state in FORWARD_STATES:  # an activation-checkpoint recompute
+                self._recompute_state(state, tensors)
+            else:
+                if not in_backward:
+                    if tensors is None and state in _POST_FORWARD and self._abort is None:
+                        self._note_raising_forward()
+                    if state == BEFORE_PRE_FORWARD:
+                        self._forward_begins()
+                    elif tensors is not None and self._deep_mode is None and self.config.activations:
+                        track_new = self.ledger.track_new
+                        for t in iter_tensors(tensors):
+                            track_new(t, ACTIVATION)
                 self._probe.sample()
             self.recorder.on_state(key, state, in_backward)
             if state == AFTER_POST_FORWARD and not in_backward:
@@ -421,6 +427,24 @@ class FSDPMemoryTracker:
         exc = sys.exc_info()[1]
         if exc is not None:
             self._abort = self._make_abort(type(exc).__name__, str(exc)[:500], _is_oom(exc))
+
+    def _recompute_state(self, state: str, tensors: object) -> None:
+        # An FSDP module recomputed inside a checkpointed region: checkpointing's own saved-tensor
+        # hooks keep what it recomputes; ours chain to them to account it (light mode), and the
+        # module's recomputed outputs count as they do in forward.
+        if self._deep_mode is not None or not self.config.activations:
+            return
+        if state == BEFORE_PRE_FORWARD:
+            self._recompute_depth += 1
+            if self._recompute_depth == 1:
+                self._recompute_activations.push()
+        elif state == AFTER_POST_FORWARD and self._recompute_depth > 0:  # always called, also when
+            self._recompute_depth -= 1  # checkpointing stops the recompute early by raising
+            if tensors is not None:
+                for t in iter_tensors(tensors):
+                    self.ledger.track_new(t, ACTIVATION)
+            if self._recompute_depth == 0:
+                self._recompute_activations.pop()
 
     def _forward_begins(self) -> None:
         self._forward_depth += 1

@@ -22,9 +22,13 @@ def test_detach_restores_every_hook_and_patch(fsdp: int) -> None:
         assert res["errors"] == 0
 
 
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "fsdp_inside_checkpoint"])
 @pytest.mark.parametrize("fsdp", [1, 2])
-def test_training_is_bitwise_unchanged(fsdp: int) -> None:
-    for res in run_ranks(workers.bitwise_unchanged, {"fsdp": fsdp}):
+def test_training_is_bitwise_unchanged(fsdp: int, checkpointed: bool) -> None:
+    # fsdp_inside_checkpoint: FSDP modules recomputed in backward, where light mode's saved-tensor
+    # hooks chain to checkpointing's own
+    opts = {"fsdp": fsdp, "nested": True, "inner_checkpoint": True} if checkpointed else {"fsdp": fsdp}
+    for res in run_ranks(workers.bitwise_unchanged, opts, 5 if checkpointed else 20):
         for variant in ("light", "deep", "deep_every"):
             assert res[variant]["losses"] == res["none"]["losses"], variant
             assert res[variant]["params"] == res["none"]["params"], variant

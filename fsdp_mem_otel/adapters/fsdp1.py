@@ -213,7 +213,7 @@ class FSDP1Adapter:
             for m in self._keys:
                 inner = m._fsdp_wrapped_module
                 hooks.append(m.register_forward_pre_hook(self._fwd_hook(m, BEFORE_PRE_FORWARD), prepend=True))
-                hooks.append(inner.register_forward_pre_hook(self._fwd_hook(m, AFTER_PRE_FORWARD)))
+                hooks.append(inner.register_forward_pre_hook(self._fwd_hook(m, AFTER_PRE_FORWARD), with_kwargs=True))
                 hooks.append(inner.register_forward_hook(
                     self._fwd_hook(m, BEFORE_POST_FORWARD), prepend=True, always_call=True))
                 hooks.append(m.register_forward_hook(self._fwd_hook(m, AFTER_POST_FORWARD), always_call=True))
@@ -295,7 +295,7 @@ class FSDP1Adapter:
                 self._track_unsharded(state._handle)
                 if getattr(state, "_is_root", False):  # lazy init / mixed precision re-cast them
                     self._track_buffers()
-                tensors = args[1]  # the inputs, as FSDP's pre-forward left them
+                tensors = args[1:3]  # positional and keyword inputs, as FSDP's pre-forward left them
             elif which == AFTER_POST_FORWARD:
                 self._refresh_unsharded(state._handle)
                 tensors = args[2]  # the outputs

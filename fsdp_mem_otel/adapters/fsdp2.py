@@ -135,7 +135,7 @@ class FSDP2Adapter:
         handles = self._handles  # one at a time: a failing registration leaves the others removable
         for key, mod in self._modules:
             handles.append(mod.register_forward_pre_hook(_state_hook(sink, key, BEFORE_PRE_FORWARD), prepend=True))
-            handles.append(mod.register_forward_pre_hook(_io_hook(sink, key, AFTER_PRE_FORWARD, 1)))
+            handles.append(mod.register_forward_pre_hook(_inputs_hook(sink, key), with_kwargs=True))
             handles.append(mod.register_forward_hook(_io_hook(sink, key, BEFORE_POST_FORWARD, 2), prepend=True))
             handles.append(mod.register_forward_hook(_io_hook(sink, key, AFTER_POST_FORWARD, 2), always_call=True))
         managed: set[int] = set()
@@ -280,9 +280,17 @@ def _state_hook(sink: EventSink, key: str, state: str) -> Callable[..., None]:
     return dynamo_safe(hook)
 
 
+def _inputs_hook(sink: EventSink, key: str) -> Callable[..., None]:
+    """after_pre_forward, with the module's positional and keyword inputs."""
+
+    def hook(_module: Any, args: Any, kwargs: Any) -> None:
+        sink.on_state(key, AFTER_PRE_FORWARD, (args, kwargs))
+
+    return dynamo_safe(hook)
+
+
 def _io_hook(sink: EventSink, key: str, state: str, index: int) -> Callable[..., None]:
-    """A hook passing the module's inputs (``index`` 1 of a pre-hook's arguments) or outputs
-    (``index`` 2 of a forward hook's) with the state."""
+    """A forward hook passing the module's outputs (``index`` 2 of its arguments) with the state."""
 
     def hook(*args: Any) -> None:
         sink.on_state(key, state, args[index])

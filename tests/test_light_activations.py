@@ -1,0 +1,94 @@
+"""Light mode's activations against deep mode on the very same warmed-up step of a transformer
+(HF LlamaForCausalLM from config), FSDP2 and FSDP1, with and without activation checkpointing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from fsdp_mem_otel.tracker import FSDPMemoryTracker  # noqa: E402
+from tests.dist import run_ranks  # noqa: E402
+from tests.workers import settle  # noqa: E402
+
+LAYERS, HIDDEN, SEQ, BATCH, VOCAB = 4, 128, 128, 4, 512
+
+
+@dataclass
+class ActivationRun:
+    light: dict[str, Any]
+    deep: dict[str, Any]
+    keys: list[str]
+    errors: int
+
+
+def _llama(fsdp: int, checkpointing: bool) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=SEQ))
+    if checkpointing:  # HF's own: non-reentrant torch.utils.checkpoint per decoder layer
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if fsdp == 2:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+                                    use_orig_params=True, device_id=torch.device("cpu"))
+
+
+def light_and_deep(fsdp: int, checkpointing: bool) -> ActivationRun:
+    """A light and a deep tracker on one model measure the same step (after a warm-up)."""
+    rank = torch.distributed.get_rank()
+    model = _llama(fsdp, checkpointing)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(rank))
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+    step()
+    settle()
+    light = FSDPMemoryTracker(model, opt, mode="light").attach()
+    deep = FSDPMemoryTracker(model, opt, mode="deep").attach()
+    step()
+    light_report, deep_report = light.step().to_dict(), deep.step().to_dict()
+    deep.detach()
+    light.detach()
+    return ActivationRun(light_report, deep_report, light.module_keys, light.errors_total + deep.errors_total)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no_ac", "hf_checkpointing"])
+@pytest.mark.parametrize("fsdp", [1, 2])
+def test_light_activations_match_deep_on_the_same_step(fsdp: int, checkpointing: bool) -> None:
+    for run in run_ranks(light_and_deep, fsdp, checkpointing, timeout=600):
+        assert run.errors == 0
+        assert len(run.keys) == LAYERS + 1
+        for key in run.keys:
+            light_calls = run.light["modules"][key]["snapshots"]["after_post_forward"]
+            deep_calls = run.deep["modules"][key]["snapshots"]["after_post_forward"]
+            assert len(light_calls) == len(deep_calls) == 1
+            ours, theirs = light_calls[0]["cpu"]["activation"], deep_calls[0]["cpu"]["activation"]
+            assert theirs > 0
+            assert abs(ours - theirs) <= 0.10 * theirs, (key, ours, theirs)
+        if not checkpointing:  # with it, the peak is in the backward recompute, which light does not see
+            ours, theirs = run.light["peak"]["cpu"]["total"], run.deep["peak"]["cpu"]["total"]
+            assert abs(ours - theirs) <= 0.10 * theirs, (ours, theirs)
