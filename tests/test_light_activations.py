@@ -92,3 +92,56 @@ def test_light_activations_match_deep_on_the_same_step(fsdp: int, checkpointing:
         if not checkpointing:  # with it, the peak is in the backward recompute, which light does not see
             ours, theirs = run.light["peak"]["cpu"]["total"], run.deep["peak"]["cpu"]["total"]
             assert abs(ours - theirs) <= 0.10 * theirs, (ours, theirs)
+
+
+@dataclass
+class UserHooksRun:
+    user_packs: dict[str, int]  # untracked / tracked: how often the user's own pack hook ran
+    losses: dict[str, list[float]]
+    activation: int  # light mode's activation at the first block's after_post_forward
+    errors: int
+
+
+def users_saved_tensor_hooks() -> UserHooksRun:
+    """The user's own saved-tensor hooks (offloading-style: pack copies) around each step: the
+    tracker must chain to them, never shadow them."""
+    from fsdp_mem_otel.demo import WrapOptions, build, make_batch
+
+    rank = torch.distributed.get_rank()
+    packs: dict[str, int] = {}
+    losses: dict[str, list[float]] = {}
+    activation = errors = 0
+    for run in ("untracked", "tracked"):
+        model, opt = build(2, 32, WrapOptions(fsdp=2))
+        tracker = FSDPMemoryTracker(model, opt).attach() if run == "tracked" else None
+        count = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            count[0] += 1  # noqa: B023 - this run's counter
+            return t.detach().clone()
+
+        losses[run] = []
+        for step in range(3):
+            opt.zero_grad(set_to_none=True)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = model(make_batch(step, 8, 32, rank)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            losses[run].append(float(loss))
+            if tracker is not None:
+                report = tracker.step()
+                activation = report.modules["layers.0"].snapshots["after_post_forward"][0]["cpu"]["activation"]
+        packs[run] = count[0]
+        if tracker is not None:
+            tracker.detach()
+            errors = tracker.errors_total
+    return UserHooksRun(packs, losses, activation, errors)
+
+
+def test_users_saved_tensor_hooks_keep_running() -> None:
+    for run in run_ranks(users_saved_tensor_hooks):
+        assert run.errors == 0
+        assert run.user_packs["untracked"] > 0
+        assert run.user_packs["tracked"] == run.user_packs["untracked"]
+        assert run.losses["tracked"] == run.losses["untracked"]
+        assert run.activation > 0  # what their pack keeps is accounted
