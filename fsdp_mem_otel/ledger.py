@@ -11,13 +11,13 @@ The ledger knows tensors and storages but nothing about FSDP.
 
 from __future__ import annotations
 
-import math
 import os
 import weakref
 from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -42,16 +42,17 @@ def storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:
             if isinstance(inner, torch.Tensor):  # DTensor also flattens its DeviceMesh
                 out.extend(storages_of(inner))
         return out
-    if t.layout is not torch.strided or t.device.type == "meta":
-        return []
+    if isinstance(t, FakeTensor) or t.layout is not torch.strided or t.device.type == "meta":
+        return []  # no real memory behind it
     return [t.untyped_storage()]
 
 
-def _nbytes(st: torch.UntypedStorage, device_type: str) -> int:
-    n = st.nbytes()
-    if device_type == "cuda" and n:
-        return math.ceil(n / _CUDA_MIN_BLOCK) * _CUDA_MIN_BLOCK
-    return int(n)
+_NO_ENTRY: list[Any] = [None, None]
+
+
+def _rounded(n: int, block: int) -> int:
+    """``n`` bytes as the allocator hands them out (CUDA: whole 512-byte blocks)."""
+    return n if block == 1 or not n else -(-n // block) * block
 
 
 class _Window:
@@ -99,12 +100,13 @@ class Ledger:
     """Live bytes per device and category, plus peaks for the step and for nested windows."""
 
     def __init__(self) -> None:
-        # id(storage) -> [device, category, nbytes, weakref]; the weakref callback drops the entry.
+        # id(storage) -> [device, category, nbytes, weakref, block]; the weakref callback drops the
+        # entry; block is the allocator's rounding (512 on CUDA, else 1).
         self._entries: dict[int, list[Any]] = {}
         self.current: DeviceBreakdown = {}
         self._step = _Window({})
         self._windows: list[_Window] = []
-        self._device_names: dict[torch.device, str] = {}
+        self._devices: dict[torch.device, tuple[str, int]] = {}  # device -> (name, block)
         self._on_free = _free_callback(self._entries, weakref.ref(self))
         # Light mode: every growth is a peak candidate. Deep mode turns this off and offers once
         # per op (offer_current), the instants upstream MemTracker evaluates, so both agree.
@@ -117,8 +119,18 @@ class Ledger:
         A storage seen before keeps its entry: its size is refreshed, and its category changes only
         when ``recategorize`` is true (explicit knowledge from FSDP beats per-op guesses).
         """
+        cls = type(t)
+        if (cls is torch.Tensor or cls is nn.Parameter) and t.layout is torch.strided:
+            self.track_storage(t.untyped_storage(), category, recategorize)
+            return
         for st in storages_of(t):
             self.track_storage(st, category, recategorize)
+
+    def track_all(self, tensors: list[Any], category: str) -> None:
+        """``track(t, category)`` for each tensor of ``tensors`` that is not None."""
+        for t in tensors:
+            if t is not None:
+                self.track(t, category)
 
     def track_new(self, t: torch.Tensor, category: str) -> None:
         """Account ``t`` under ``category`` only if its storage is not known yet (the hot path
@@ -127,31 +139,45 @@ class Ledger:
         if (cls is torch.Tensor or cls is nn.Parameter) and t.layout is torch.strided:
             st = t.untyped_storage()
             if id(st) not in self._entries:
-                self.track_storage(st, category, False)
+                self._new_entry(st, category)
             return
         for st in storages_of(t):
             if id(st) not in self._entries:
-                self.track_storage(st, category, False)
+                self._new_entry(st, category)
 
     def track_storage(self, st: torch.UntypedStorage, category: str, recategorize: bool) -> None:
-        key = id(st)
-        entry = self._entries.get(key)
+        entry = self._entries.get(id(st))
         if entry is None:
-            dev = st.device
-            name = self._device_names.get(dev)
-            if name is None:
-                name = self._device_names[dev] = str(dev)
-            n = _nbytes(st, dev.type)
-            self._entries[key] = [name, category, n, weakref.KeyedRef(st, self._on_free, key)]
-            if n:
-                self._add(name, category, n)
+            self._new_entry(st, category)
             return
-        n = _nbytes(st, st.device.type)
+        n = _rounded(st.nbytes(), entry[4])
         if n != entry[2]:
             self._add(entry[0], entry[1], n - entry[2])
             entry[2] = n
         if recategorize and entry[1] != category:
             self._relabel(entry, category)
+
+    def track_storages(self, storages: list[torch.UntypedStorage], category: str) -> None:
+        """``track_storage(st, category, True)`` for each storage (an FSDP group's buffers)."""
+        entries = self._entries
+        if all(entries.get(id(st), _NO_ENTRY)[1] == category for st in storages):
+            self.refresh_storages(storages)  # all known under this category: sizes only
+            return
+        for st in storages:
+            self.track_storage(st, category, True)
+
+    def _new_entry(self, st: torch.UntypedStorage, category: str) -> None:
+        dev = st.device
+        known = self._devices.get(dev)
+        if known is None:
+            block = _CUDA_MIN_BLOCK if dev.type == "cuda" else 1
+            known = self._devices[dev] = (str(dev), block)
+        name, block = known
+        key = id(st)
+        n = _rounded(st.nbytes(), block)
+        self._entries[key] = [name, category, n, weakref.KeyedRef(st, self._on_free, key), block]
+        if n:
+            self._add(name, category, n)
 
     def _relabel(self, entry: list[Any], category: str) -> None:
         device = entry[0]
@@ -181,23 +207,51 @@ class Ledger:
         """Re-read one storage's size (deep mode's resize_ watch calls this)."""
         entry = self._entries.get(id(st))
         if entry is not None:
-            n = _nbytes(st, st.device.type)
+            n = _rounded(st.nbytes(), entry[4])
             if n != entry[2]:
                 self._add(entry[0], entry[1], n - entry[2])
                 entry[2] = n
 
+    def refresh_storages(self, storages: list[torch.UntypedStorage]) -> None:
+        """``refresh_storage`` for each storage (an FSDP group's buffers after a reshard); the
+        bytes change once per device and category, as FSDP resizes them all together."""
+        entries = self._entries
+        deltas: dict[tuple[str, str], int] = {}
+        for st in storages:
+            entry = entries.get(id(st))
+            if entry is not None:
+                n = _rounded(st.nbytes(), entry[4])
+                if n != entry[2]:
+                    where = (entry[0], entry[1])
+                    deltas[where] = deltas.get(where, 0) + n - entry[2]
+                    entry[2] = n
+        for (device, category), delta in deltas.items():
+            if delta:
+                self._add(device, category, delta)
+
     def _add(self, device: str, category: str, delta: int) -> None:
+        # The hot path of every update: written out, no helper calls unless a window is live.
         cats = self.current.get(device)
         if cats is None:
             cats = self.current[device] = dict.fromkeys(CATEGORY_KEYS, 0)
-        if delta < 0:
-            self._settle(device)
+        step = self._step
+        windows = self._windows
+        if delta < 0:  # the breakdown shrinks: keep copies of the peaks it still is
+            if device in step.live:
+                step.settle(self.current, device)
+            if windows and device in windows[-1].live:
+                windows[-1].settle(self.current, device)
         cats[category] += delta
         total = cats[TOTAL] = cats[TOTAL] + delta
         if delta > 0 and self.offer_on_add:
-            self._step.offer(device, total)
-            if self._windows:
-                self._windows[-1].offer(device, total)
+            if total > step.peak.get(device, -1):
+                step.peak[device] = total
+                step.live.add(device)
+            if windows:
+                inner = windows[-1]
+                if total > inner.peak.get(device, -1):
+                    inner.peak[device] = total
+                    inner.live.add(device)
 
     def _settle(self, device: str) -> None:
         # Only the step window and the innermost window receive offers, so only they can be live.

@@ -465,11 +465,35 @@ class FSDPMemoryTracker:
         except Exception as exc:  # noqa: BLE001
             self.report_error(exc)
 
+    def track_all(self, tensors: list[torch.Tensor | None], category: str) -> None:
+        if not self.attached:
+            return
+        try:
+            self.ledger.track_all(tensors, category)
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+
+    def track_storages(self, storages: list[torch.UntypedStorage], category: str) -> None:
+        if not self.attached:
+            return
+        try:
+            self.ledger.track_storages(storages, category)
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+
     def refresh(self, tensor: torch.Tensor | None) -> None:
         if tensor is None or not self.attached:
             return
         try:
             self.ledger.refresh(tensor)
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+
+    def refresh_storages(self, storages: list[torch.UntypedStorage]) -> None:
+        if not self.attached:
+            return
+        try:
+            self.ledger.refresh_storages(storages)
         except Exception as exc:  # noqa: BLE001
             self.report_error(exc)
 

@@ -65,8 +65,17 @@ class EventSink(Protocol):
     def track(self, tensor: torch.Tensor | None, category: str) -> None:
         """Account ``tensor``'s storages under ``category`` (re-categorizing known ones)."""
 
+    def track_all(self, tensors: list[torch.Tensor | None], category: str) -> None:
+        """``track`` for each of ``tensors`` (None entries skipped), in one call."""
+
+    def track_storages(self, storages: list[torch.UntypedStorage], category: str) -> None:
+        """Account storages FSDP keeps (and resizes) under ``category``."""
+
     def refresh(self, tensor: torch.Tensor | None) -> None:
         """``tensor``'s storages may have been resized: re-read their sizes."""
+
+    def refresh_storages(self, storages: list[torch.UntypedStorage]) -> None:
+        """``storages`` may have been resized: re-read their sizes."""
 
     def report_error(self, exc: BaseException) -> None:
         """An adapter's own code failed inside an FSDP hook: log once, count, carry on."""

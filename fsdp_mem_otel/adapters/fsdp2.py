@@ -166,7 +166,8 @@ class FSDP2Adapter:
 
     def _patch_group(self, keys: list[str], group: Any) -> None:
         sink = self._sink
-        fsdp_params = group.fsdp_params
+        view = _GroupView(group)
+        fsdp_params = view.fsdp_params
         rs_group = getattr(group, "_reduce_scatter_process_group", None)
         reduce_category = TEMP if rs_group is None or rs_group.size() == 1 else REDUCE_SCATTER
         post_forward_shards = getattr(group, "post_forward_mesh_info", None) is not None
@@ -183,18 +184,15 @@ class FSDP2Adapter:
             on_state(BEFORE_POST_BACKWARD), on_state(AFTER_POST_BACKWARD))
 
         def before_post_backward() -> None:
-            for fp in fsdp_params:
-                if hasattr(fp, "_unsharded_param"):
-                    sink.track(fp._unsharded_param.grad, UNSHARDED_GRAD)
-                sink.track(fp.unsharded_accumulated_grad, UNSHARDED_GRAD)
+            sink.track_all([getattr(getattr(fp, "_unsharded_param", None), "grad", None) for fp in fsdp_params]
+                           + [fp.unsharded_accumulated_grad for fp in fsdp_params], UNSHARDED_GRAD)
             emit_before_post_backward()
 
         def after_post_backward() -> None:
-            for fp in fsdp_params:
-                sink.track(fp.sharded_param.grad, SHARDED_GRAD)
-                # kept unreduced (accumulation without gradient sync)
-                sink.track(fp.unsharded_accumulated_grad, UNSHARDED_GRAD)
-            refresh_unsharded()
+            sink.track_all([fp.sharded_param.grad for fp in fsdp_params], SHARDED_GRAD)
+            # kept unreduced (accumulation without gradient sync)
+            sink.track_all([fp.unsharded_accumulated_grad for fp in fsdp_params], UNSHARDED_GRAD)
+            sink.refresh_storages(view.unsharded_storages())
             states = getattr(group.comm_ctx, "reduce_scatter_states", None)
             if states:
                 sink.track(states[-1].reduce_scatter_input, reduce_category)
@@ -205,20 +203,13 @@ class FSDP2Adapter:
                 sink.track(group._all_gather_result.all_gather_output, ALL_GATHER)
 
         def after_wait_for_unshard() -> None:
-            for fp in fsdp_params:
-                for t in fp.all_gather_outputs:
-                    sink.track(t, UNSHARDED_PARAM)
-
-        def refresh_unsharded() -> None:
-            for fp in fsdp_params:
-                for t in fp.all_gather_outputs:
-                    sink.refresh(t)
+            sink.track_storages(view.unsharded_storages(), UNSHARDED_PARAM)
 
         def after_reshard() -> None:
-            refresh_unsharded()
+            sink.refresh_storages(view.unsharded_storages())
             if post_forward_shards:
-                for fp in fsdp_params:
-                    sink.track(getattr(fp, "_sharded_post_forward_param_data", None), UNSHARDED_PARAM)
+                sink.track_all([getattr(fp, "_sharded_post_forward_param_data", None) for fp in fsdp_params],
+                               UNSHARDED_PARAM)
 
         wrappers: dict[str, tuple[Callable[[], None] | None, Callable[[], None] | None]] = {
             "pre_backward": (before_pre_backward, after_pre_backward),
@@ -234,6 +225,30 @@ class FSDP2Adapter:
                 # Runs once per output tensor that needs grad; FSDP acts on the first call only.
                 wrapper = _unless_in_pre_backward(group, wrapper, orig)
             self._patch(group, name, dynamo_safe(wrapper))
+
+
+class _GroupView:
+    """One FSDPParamGroup's parameters and unsharded-parameter storages, looked up once.
+
+    FSDP2 allocates each parameter's ``all_gather_outputs`` once and resizes their storages
+    between full and 0 at every unshard / reshard; the storage objects stay, so the list is
+    rebuilt only when the first output tensor is a different object.
+    """
+
+    __slots__ = ("_first", "_storages", "fsdp_params")
+
+    def __init__(self, group: Any) -> None:
+        self.fsdp_params: list[Any] = list(group.fsdp_params)
+        self._first: Any = None
+        self._storages: list[torch.UntypedStorage] = []
+
+    def unsharded_storages(self) -> list[torch.UntypedStorage]:
+        outputs = self.fsdp_params[0].all_gather_outputs if self.fsdp_params else []
+        first = outputs[0] if outputs else None
+        if first is not self._first:
+            self._storages = [t.untyped_storage() for fp in self.fsdp_params for t in fp.all_gather_outputs]
+            self._first = first
+        return self._storages
 
 
 def _around(
