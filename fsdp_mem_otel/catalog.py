@@ -246,6 +246,11 @@ ABORTED_STEPS_TOTAL = Metric(
     "Steps stopped early by an exception (kind=oom for out-of-memory, kind=error otherwise).",
     ("kind",), source="aborted",
 )
+DEEP_STEPS_SKIPPED_TOTAL = Metric(
+    "fsdp_mem_deep_steps_skipped_total", COUNTER, "",
+    "Steps due to run deep that stayed light (reason=compiled: the model runs code compiled by torch.compile).",
+    ("reason",), source="deep_skipped",
+)
 LAST_OOM_TIMESTAMP_SECONDS = Metric(
     "fsdp_mem_last_oom_timestamp_seconds", GAUGE, SECONDS,
     "Unix time of the last out-of-memory step, labelled with the FSDP module and state that were active.",
@@ -307,6 +312,7 @@ METRICS: tuple[Metric, ...] = (
     STEP_DEEP,
     TRACKER_INFO,
     ABORTED_STEPS_TOTAL,
+    DEEP_STEPS_SKIPPED_TOTAL,
     LAST_OOM_TIMESTAMP_SECONDS,
     LAST_OOM_BYTES,
     MODULE_PEAK_BYTES,

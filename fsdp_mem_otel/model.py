@@ -78,6 +78,10 @@ MODES: tuple[str, ...] = (LIGHT, DEEP)
 
 ROOT_KEY = "<root>"
 
+#: StepReport.deep_skipped: a deep step stayed light because the model runs torch.compile'd code
+DEEP_SKIPPED_COMPILED = "compiled"
+DEEP_SKIP_REASONS: tuple[str, ...] = (DEEP_SKIPPED_COMPILED,)
+
 #: device ("cpu", "cuda:0") -> category key -> bytes
 DeviceBreakdown = dict[str, dict[str, int]]
 

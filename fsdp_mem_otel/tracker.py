@@ -31,6 +31,7 @@ from fsdp_mem_otel.model import (
     BEFORE_POST_FORWARD,
     BEFORE_PRE_FORWARD,
     DEEP,
+    DEEP_SKIPPED_COMPILED,
     FORWARD_STATES,
     INPUTS,
     LIGHT,
@@ -43,8 +44,6 @@ from fsdp_mem_otel.recorder import StepContext, StepRecorder
 logger = logging.getLogger("fsdp_mem_otel")
 _in_backward = torch._C._current_graph_task_id
 _POST_FORWARD = frozenset({BEFORE_POST_FORWARD, AFTER_POST_FORWARD})
-#: StepReport.deep_skipped when a deep step stayed light because the model runs compiled code
-DEEP_SKIPPED_COMPILED = "compiled"
 
 
 class FSDPMemoryTracker:
@@ -304,6 +303,21 @@ class FSDPMemoryTracker:
     def _make_abort(self, error: str, message: str, oom: bool) -> StepAbort:
         module, state = self.recorder.location()
         return StepAbort(error, message, oom, module, state, self.ledger.snapshot())
+
+    @contextlib.contextmanager
+    def saved_activations(self) -> Iterator[None]:
+        """Light mode: account what autograd saves inside the block as activations, for work
+        outside any FSDP module's forward, such as a loss computed after the model
+        (``with tracker.saved_activations(): loss = loss_fn(pred, labels)``)."""
+        acts = self._activations
+        push = self.attached and self._deep_mode is None and self.config.activations and not acts.active
+        if push:
+            acts.push()
+        try:
+            yield
+        finally:
+            if push:
+                acts.pop()
 
     def track_inputs(self, obj: Any) -> None:
         """Account the tensors in ``obj`` (nested lists/tuples/dicts) as model inputs."""

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from fsdp_mem_otel.demo import BlockModel, make_batch, train_step
-from fsdp_mem_otel.model import STATES
-from fsdp_mem_otel.tracker import DEEP_SKIPPED_COMPILED, FSDPMemoryTracker
+from fsdp_mem_otel.model import DEEP_SKIPPED_COMPILED, STATES
+from fsdp_mem_otel.tracker import FSDPMemoryTracker
 from tests.dist import run_ranks
 
 BLOCKS, WIDTH, BATCH, STEPS = 2, 32, 8, 4

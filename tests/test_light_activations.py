@@ -145,3 +145,33 @@ def test_users_saved_tensor_hooks_keep_running() -> None:
         assert run.user_packs["tracked"] == run.user_packs["untracked"]
         assert run.losses["tracked"] == run.losses["untracked"]
         assert run.activation > 0  # what their pack keeps is accounted
+
+
+def loss_outside_the_model() -> list[int]:
+    """A loss computed after the model (as torchtitan does): its saved tensors are seen inside
+    ``tracker.saved_activations()`` and not outside it."""
+    from fsdp_mem_otel.demo import WrapOptions, build, make_batch
+
+    rank = torch.distributed.get_rank()
+    model, opt = build(2, 32, WrapOptions(fsdp=2))
+    deltas = []
+    with FSDPMemoryTracker(model, opt) as tracker:
+        for scoped in (False, True):
+            out = model(make_batch(0, 8, 32, rank))
+            before = tracker.ledger.snapshot()["cpu"]["activation"]
+            if scoped:
+                with tracker.saved_activations():
+                    loss = torch.log_softmax(out.repeat(1, 64), dim=-1).pow(2).mean()  # saves 8 x 2048
+            else:
+                loss = torch.log_softmax(out.repeat(1, 64), dim=-1).pow(2).mean()
+            deltas.append(tracker.ledger.snapshot()["cpu"]["activation"] - before)
+            loss.backward()
+            tracker.step()
+    return deltas
+
+
+def test_saved_activations_scope_sees_a_loss_outside_the_model() -> None:
+    saved = 8 * 32 * 64 * 4  # log_softmax's output, fp32, saved for backward (and again by pow)
+    for unscoped, scoped in run_ranks(loss_outside_the_model):
+        assert unscoped == 0
+        assert scoped >= saved

@@ -36,6 +36,7 @@ from fsdp_mem_otel.model import (
     BEFORE_PRE_FORWARD,
     CATEGORY_KEYS,
     DEEP,
+    DEEP_SKIP_REASONS,
     PEAK_BACKWARD,
     PEAK_FORWARD,
     STATES,
@@ -81,6 +82,7 @@ class StepReportCollector:
         self._overhead_total = 0.0
         self._exporter_errors = 0
         self._aborted = {"oom": 0, "error": 0}
+        self._deep_skipped = dict.fromkeys(DEEP_SKIP_REASONS, 0)
         self._last_oom: tuple[float, StepAbort] | None = None
 
     # -- state -------------------------------------------------------------------------------
@@ -88,6 +90,8 @@ class StepReportCollector:
         with self._lock:
             if self._report is None or report.step != self._report.step:  # the same step twice counts once
                 self._overhead_total += float(report.tracker_overhead_seconds)
+                if report.deep_skipped is not None:
+                    self._deep_skipped[report.deep_skipped] = self._deep_skipped.get(report.deep_skipped, 0) + 1
                 if report.aborted is not None:
                     kind = "oom" if report.aborted.oom else "error"
                     self._aborted[kind] += 1
@@ -170,7 +174,9 @@ class StepReportCollector:
         add(cat.TRACKER_INFO, [((fsdp_version, __version__), 1.0)])
         with self._lock:
             aborted, last_oom = dict(self._aborted), self._last_oom
+            skipped = dict(self._deep_skipped)
         add(cat.ABORTED_STEPS_TOTAL, [((kind,), float(n)) for kind, n in sorted(aborted.items())])
+        add(cat.DEEP_STEPS_SKIPPED_TOTAL, [((reason,), float(n)) for reason, n in sorted(skipped.items())])
         if last_oom is not None:
             when, abort = last_oom
             add(cat.LAST_OOM_TIMESTAMP_SECONDS, [((abort.module, abort.state), float(when))])

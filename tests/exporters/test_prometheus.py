@@ -172,6 +172,9 @@ fsdp_mem_tracker_info{fsdp_version="2",job_name="train",local_rank="1",namespace
 # TYPE fsdp_mem_aborted_steps_total counter
 fsdp_mem_aborted_steps_total{job_name="train",kind="error",local_rank="1",namespace="ml",pod="train-1",rank="1",world_size="2"} 0.0
 fsdp_mem_aborted_steps_total{job_name="train",kind="oom",local_rank="1",namespace="ml",pod="train-1",rank="1",world_size="2"} 0.0
+# HELP fsdp_mem_deep_steps_skipped_total Steps due to run deep that stayed light (reason=compiled: the model runs code compiled by torch.compile).
+# TYPE fsdp_mem_deep_steps_skipped_total counter
+fsdp_mem_deep_steps_skipped_total{job_name="train",local_rank="1",namespace="ml",pod="train-1",rank="1",reason="compiled",world_size="2"} 0.0
 # HELP fsdp_mem_module_peak_bytes Peak total bytes during the module's forward or backward in the last step (max over calls and devices).
 # TYPE fsdp_mem_module_peak_bytes gauge
 fsdp_mem_module_peak_bytes{job_name="train",local_rank="1",module="<root>",namespace="ml",phase="forward",pod="train-1",rank="1",world_size="2"} 7000.0
@@ -201,11 +204,13 @@ def test_oom_step_counts_and_keeps_where_it_happened() -> None:
     second = small_report()
     second.step += 1
     second.aborted = StepAbort("ValueError", "bad batch", False, "<root>", "before_pre_forward", {})
+    second.deep_skipped = "compiled"
     collector.update(second)
     collector.update(second)  # the same step twice counts once
     text = generate_latest(registry).decode()
     assert value(text, "fsdp_mem_aborted_steps_total", kind="oom") == 1
     assert value(text, "fsdp_mem_aborted_steps_total", kind="error") == 1
+    assert value(text, "fsdp_mem_deep_steps_skipped_total", reason="compiled") == 1
     assert value(text, "fsdp_mem_last_oom_timestamp_seconds", module="layers.1", state="after_pre_forward") \
         == first.timestamp
     for c in CATEGORY_KEYS:
@@ -217,7 +222,8 @@ def test_before_first_step_only_health_series() -> None:
     text = exposition(None, Identity("j", 0, 0, 1, "h"))
     assert {s.name for s in samples(text)} == {"fsdp_mem_steps_total", "fsdp_mem_errors_total",
                                                "fsdp_mem_tracker_overhead_seconds_total", "fsdp_mem_tracker_info",
-                                               "fsdp_mem_aborted_steps_total"}
+                                               "fsdp_mem_aborted_steps_total",
+                                               "fsdp_mem_deep_steps_skipped_total"}
     assert value(text, "fsdp_mem_steps_total") == 0
     promtool_check(text)
 
