@@ -11,6 +11,11 @@ reserved_peak_bytes         the step's maximum of reserved_bytes
 active_peak_bytes           the step's maximum of active_bytes
 inactive_split_bytes        inactive, non-releasable bytes of split blocks (fragmentation)
 device_total_bytes          total memory of the device (``mem_get_info()[1]``)
+outside_pytorch_bytes       device memory in use that PyTorch's allocator does not hold: used
+                            (``total - free`` from ``mem_get_info``) minus reserved bytes. The
+                            CUDA context, NCCL buffers, cuBLAS/cuDNN workspaces and other
+                            allocators of this process; on a GPU shared with other processes,
+                            theirs too. Floored at 0
 num_alloc_retries           cudaMalloc failures that flushed the cache and retried (process total)
 num_ooms                    out-of-memory errors raised by the allocator (process total)
 fragmentation_ratio         (reserved - allocated) / reserved; 0 when nothing is reserved
@@ -75,6 +80,7 @@ CUDA_KEYS: tuple[str, ...] = (
     "active_peak_bytes",
     "inactive_split_bytes",
     "device_total_bytes",
+    "outside_pytorch_bytes",
     "num_alloc_retries",
     "num_ooms",
     "fragmentation_ratio",
@@ -122,12 +128,20 @@ def cuda_stats_from(
     out["inactive_split_bytes"] = int(memory_stats.get(_INACTIVE_SPLIT, 0))
     if mem_get_info is not None:
         out["device_total_bytes"] = int(mem_get_info[1])
+        out["outside_pytorch_bytes"] = outside_pytorch_bytes(mem_get_info, reserved)
     out["num_alloc_retries"] = int(memory_stats.get(_RETRIES, 0))
     out["num_ooms"] = int(memory_stats.get(_OOMS, 0))
     out["fragmentation_ratio"] = (reserved - allocated) / reserved if reserved > 0 else 0.0
     if tracked_total is not None:
         out["untracked_bytes"] = allocated - int(tracked_total)
     return out
+
+
+def outside_pytorch_bytes(mem_get_info: tuple[int, int], reserved: int) -> int:
+    """Device memory in use beyond what the caching allocator reserved: (total - free) -
+    reserved, floored at 0 (see ``outside_pytorch_bytes`` in the module docstring)."""
+    free, total = mem_get_info
+    return max(0, int(total) - int(free) - int(reserved))
 
 
 def cuda_activation_estimate(allocated: int, tracked_total: int) -> int:
@@ -262,6 +276,18 @@ class AllocatorProbe:
                 m["reserved_bytes"] = reserved
             if active > m["active_bytes"]:
                 m["active_bytes"] = active
+
+    def outside_pytorch(self) -> dict[str, int]:
+        """Now, per watched CUDA device: bytes in use outside PyTorch's allocator (for an OOM's
+        breakdown: what NCCL, cuBLAS and the CUDA context held when memory ran out)."""
+        out: dict[str, int] = {}
+        if not self._cuda or not torch.cuda.is_initialized():
+            return out
+        self._discover()
+        for idx, key in self._devices.items():
+            free, total = torch.cuda.mem_get_info(idx)
+            out[key] = outside_pytorch_bytes((int(free), int(total)), torch.cuda.memory_reserved(idx))
+        return out
 
     def step_stats(self, tracked_total: Mapping[str, int]) -> dict[str, dict[str, float]]:
         """Statistics at the step end, device -> statistic -> value; restarts the step maxima.

@@ -173,6 +173,11 @@ UNTRACKED_BYTES = Metric(
     "Bytes allocated on the device that the tracker did not attribute to any category.",
     ("device",), source="untracked_bytes",
 )
+OUTSIDE_PYTORCH_BYTES = Metric(
+    "fsdp_mem_outside_pytorch_bytes", GAUGE, BYTES,
+    "Device memory in use that PyTorch's allocator does not hold (used - reserved): CUDA context, NCCL, cuBLAS.",
+    ("device",), source="outside_pytorch_bytes",
+)
 RESIDENT_BYTES = Metric(
     "fsdp_mem_process_resident_bytes", GAUGE, BYTES,
     "Resident set size of the training process (host memory).",
@@ -195,6 +200,7 @@ ALLOCATOR_METRICS: dict[str, Metric] = {
         OOMS_TOTAL,
         FRAGMENTATION_RATIO,
         UNTRACKED_BYTES,
+        OUTSIDE_PYTORCH_BYTES,
         RESIDENT_BYTES,
     )
 }
@@ -261,6 +267,11 @@ LAST_OOM_BYTES = Metric(
     "Live bytes by category at the moment of the last out-of-memory error, on the fullest device.",
     ("device", "category"), source="aborted",
 )
+LAST_OOM_OUTSIDE_PYTORCH_BYTES = Metric(
+    "fsdp_mem_last_oom_outside_pytorch_bytes", GAUGE, BYTES,
+    "Device memory outside PyTorch's allocator (CUDA context, NCCL, cuBLAS) at the last out-of-memory error.",
+    ("device",), source="aborted",
+)
 
 # -- per FSDP module (default, bounded per module) ----------------------------------------------
 MODULE_PEAK_BYTES = Metric(
@@ -315,6 +326,7 @@ METRICS: tuple[Metric, ...] = (
     DEEP_STEPS_SKIPPED_TOTAL,
     LAST_OOM_TIMESTAMP_SECONDS,
     LAST_OOM_BYTES,
+    LAST_OOM_OUTSIDE_PYTORCH_BYTES,
     MODULE_PEAK_BYTES,
     MODULE_FORWARD_SECONDS,
     MODULE_STATE_BYTES,

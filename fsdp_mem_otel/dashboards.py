@@ -520,6 +520,11 @@ def allocator_correlation(sdk: Any) -> Dashboard:
           "Allocated bytes the tracker did not attribute to a category. Negative: the tracker counts memory "
           "the allocator did not hand out.",
           [Query(f"max by ({key}) ({sel(cat.UNTRACKED_BYTES, s)})", "untracked {{device}}", cuda_only=True)], 6, 8)
+    b.add(timeseries(sdk, "bytes"), "Device memory outside PyTorch (used - reserved)",
+          "What the device has in use beyond the caching allocator's reservation: the CUDA context, NCCL "
+          "buffers, cuBLAS/cuDNN workspaces (and other processes on a shared GPU). Not in any tracker category.",
+          [Query(f"max by ({key}) ({sel(cat.OUTSIDE_PYTORCH_BYTES, s)})", "outside PyTorch {{device}}",
+                 cuda_only=True)], 6, 8)
     b.add(timeseries(sdk, "percentunit"), "Fragmentation (1 - allocated / reserved)",
           "Share of reserved bytes not handed out to tensors at step end.",
           [Query(f"max by ({key}) ({sel(cat.FRAGMENTATION_RATIO, s)})", "{{device}}", cuda_only=True)], 6, 8)

@@ -122,6 +122,8 @@ class StepAbort:
     module: str  # innermost FSDP module active when it happened ("" if none)
     state: str  # the last state that module reached
     breakdown: DeviceBreakdown  # live bytes by category at that moment
+    #: CUDA device -> bytes in use outside PyTorch's allocator at that moment (context, NCCL, ...)
+    outside_pytorch_bytes: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -131,6 +133,7 @@ class StepAbort:
             "module": self.module,
             "state": self.state,
             "breakdown": _copy(self.breakdown),
+            "outside_pytorch_bytes": dict(self.outside_pytorch_bytes),
         }
 
     @classmethod
@@ -142,6 +145,7 @@ class StepAbort:
             module=str(data.get("module", "")),
             state=str(data.get("state", "")),
             breakdown=_copy(data.get("breakdown", {})),
+            outside_pytorch_bytes={d: int(v) for d, v in data.get("outside_pytorch_bytes", {}).items()},
         )
 
 
@@ -199,16 +203,26 @@ class StepReport:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StepReport:
-        """Inverse of to_dict(); unknown keys are ignored so old readers accept new files."""
+    def from_dict(cls, data: dict[str, Any], copy: bool = True) -> StepReport:
+        """Inverse of to_dict(); unknown keys are ignored so old readers accept new files.
+
+        ``copy=False``: take ``peak`` and ``current`` as they are (fresh from ``json.loads``),
+        only checking that their byte counts are integers; for readers of many lines."""
+        if not copy:
+            for b in (data["peak"], data.get("current", {})):
+                for cats in b.values():
+                    for v in cats.values():
+                        if type(v) is not int:
+                            raise TypeError(f"byte count {v!r} is not an integer")
+        copied = _copy if copy else _same
         return cls(
             step=int(data["step"]),
             rank=int(data["rank"]),
             world_size=int(data["world_size"]),
             mode=str(data["mode"]),
             fsdp_version=int(data.get("fsdp_version", 0)),
-            peak=_copy(data["peak"]),
-            current=_copy(data.get("current", {})),
+            peak=copied(data["peak"]),
+            current=copied(data.get("current", {})),
             modules={
                 k: ModuleReport(
                     {s: [_copy(b) for b in calls] for s, calls in m["snapshots"].items()},
@@ -239,6 +253,10 @@ class StepReport:
 def empty_breakdown() -> dict[str, int]:
     """A category -> bytes dict with every key present and zero."""
     return dict.fromkeys(CATEGORY_KEYS, 0)
+
+
+def _same(b: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    return b
 
 
 def _copy(b: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:

@@ -87,21 +87,31 @@ class StepRecorder:
         self._last_state_of: dict[str, str] = {}
 
     # -- events --------------------------------------------------------------------------------
-    def on_state(self, key: str, state: str, in_backward: bool = False) -> None:
+    def on_state(self, key: str, state: str, in_backward: bool = False, windowed: bool = True) -> None:
         """Module ``key`` reached ``state``; ``in_backward``: autograd's backward is running
-        (forward states then mean an activation-checkpoint recompute)."""
+        (forward states then mean an activation-checkpoint recompute). ``windowed=False``: the
+        state opens or closes no peak window (the adapter calls ``open_window``/``close_window``
+        itself, e.g. for modules sharing one FSDP group)."""
         if in_backward and state in FORWARD_STATES:
             self._on_recompute(key, state)
             return
         self.context.phase = _PHASE_AFTER[state]
-        closes = _CLOSES.get(state)
+        closes = _CLOSES.get(state) if windowed else None
         if closes is not None:
             self._close_window(key, closes)
         self._append(key, state, self.ledger.snapshot())
-        opens = _OPENS.get(state)
+        opens = _OPENS.get(state) if windowed else None
         if opens is not None:
-            self.ledger.open_window()
-            self.windows.append((key, opens))
+            self.open_window(key, opens)
+
+    def open_window(self, key: str, peak_state: str) -> None:
+        """Start module ``key``'s ``peak_state`` window (nested in the open ones)."""
+        self.ledger.open_window()
+        self.windows.append((key, peak_state))
+
+    def close_window(self, key: str, peak_state: str) -> None:
+        """End module ``key``'s ``peak_state`` window (inner ones first); a no-op if not open."""
+        self._close_window(key, peak_state)
 
     def _on_recompute(self, key: str, state: str) -> None:
         ctx = self.context

@@ -302,7 +302,12 @@ class FSDPMemoryTracker:
 
     def _make_abort(self, error: str, message: str, oom: bool) -> StepAbort:
         module, state = self.recorder.location()
-        return StepAbort(error, message, oom, module, state, self.ledger.snapshot())
+        abort = StepAbort(error, message, oom, module, state, self.ledger.snapshot())
+        try:
+            abort.outside_pytorch_bytes = self._probe.outside_pytorch()
+        except Exception as exc:  # noqa: BLE001 - the abort itself must be kept
+            self.report_error(exc)
+        return abort
 
     @contextlib.contextmanager
     def saved_activations(self) -> Iterator[None]:
@@ -403,7 +408,23 @@ class FSDPMemoryTracker:
         self._restore_eager_stance()
 
     # -- EventSink (called by adapters from FSDP hooks) ---------------------------------------
-    def on_state(self, key: str, state: str, tensors: object = None) -> None:
+    def open_window(self, key: str, peak_state: str) -> None:
+        """Adapters: start module ``key``'s peak window (for states reported ``windowed=False``)."""
+        if self.attached:
+            try:
+                self.recorder.open_window(key, peak_state)
+            except Exception as exc:  # noqa: BLE001
+                self.report_error(exc)
+
+    def close_window(self, key: str, peak_state: str) -> None:
+        """Adapters: end module ``key``'s peak window."""
+        if self.attached:
+            try:
+                self.recorder.close_window(key, peak_state)
+            except Exception as exc:  # noqa: BLE001
+                self.report_error(exc)
+
+    def on_state(self, key: str, state: str, tensors: object = None, windowed: bool = True) -> None:
         """Module ``key`` reached ``state``: take a snapshot, open or close its peak window.
 
         ``tensors`` (the module's inputs at after_pre_forward, its outputs at after_post_forward)
@@ -428,7 +449,7 @@ class FSDPMemoryTracker:
                         for t in iter_tensors(tensors):
                             track_new(t, ACTIVATION)
                 self._probe.sample()
-            self.recorder.on_state(key, state, in_backward)
+            self.recorder.on_state(key, state, in_backward, windowed)
             if state == AFTER_POST_FORWARD and not in_backward:
                 self._forward_ends()
         except Exception as exc:  # noqa: BLE001

@@ -121,6 +121,8 @@ def test_cuda_stats_from_recorded_exact() -> None:
         "active_peak_bytes": 39 * GiB,
         "inactive_split_bytes": 1 * GiB + 3 * MiB,
         "device_total_bytes": 85_045_395_456,
+        # used (total - free) minus reserved: what the CUDA context, NCCL and cuBLAS hold
+        "outside_pytorch_bytes": 85_045_395_456 - 53_000_000_000 - reserved,
         "num_alloc_retries": 2,
         "num_ooms": 0,
         "fragmentation_ratio": (reserved - allocated) / reserved,
@@ -210,6 +212,7 @@ class FakeCuda:
 
     def __init__(self) -> None:
         self.allocated = self.reserved = self.active = 0
+        self.free = 1000
         self.peak = {"allocated": 0, "reserved": 0, "active": 0}
         self.resets: list[int] = []
         self.calls: list[str] = []
@@ -242,7 +245,8 @@ class FakeCuda:
         mp.setattr(torch.cuda, "current_device", lambda: 0)
         mp.setattr(torch.cuda, "memory_stats_as_nested_dict", self.nested)
         mp.setattr(torch.cuda, "memory_stats", self.flat)
-        mp.setattr(torch.cuda, "mem_get_info", lambda d: (1000, 1 << 40))
+        mp.setattr(torch.cuda, "mem_get_info", lambda d: (self.free, 1 << 40))
+        mp.setattr(torch.cuda, "memory_reserved", lambda d: self.reserved)
         mp.setattr(torch.cuda, "reset_peak_memory_stats", self.reset_peak)
         for name in ("reset_max_memory_allocated", "reset_max_memory_cached", "empty_cache"):
             mp.setattr(torch.cuda, name, lambda *a, _n=name, **k: self.calls.append(_n))
@@ -396,3 +400,32 @@ def test_cuda_reset_peaks_opt_in() -> None:
     assert out["allocated_peak_bytes"] < 256 * MiB
     assert torch.cuda.max_memory_allocated(dev) < 256 * MiB
     del small
+
+
+def test_outside_pytorch_from_recorded_stats() -> None:
+    reserved = RECORDED["reserved_bytes.all.current"]
+    free, total = H100_INFO
+    assert cuda_stats_from(RECORDED, H100_INFO, 0)["outside_pytorch_bytes"] == total - free - reserved
+    # a driver that reports less used memory than the allocator reserved: floored, never negative
+    assert cuda_stats_from(RECORDED, (total - reserved + 1, total), 0)["outside_pytorch_bytes"] == 0
+    assert "outside_pytorch_bytes" not in cuda_stats_from(RECORDED, None, 0)  # no mem_get_info
+
+
+def test_probe_outside_pytorch_now(fake_cuda: FakeCuda) -> None:
+    fake_cuda.set(100, 4096)
+    fake_cuda.free = (1 << 40) - 4096 - 700  # 700 bytes used beyond the allocator's reservation
+    probe = AllocatorProbe()
+    assert probe.outside_pytorch() == {"cuda:0": 700}
+    stats = probe.step_stats({"cuda:0": 100})
+    assert stats["cuda:0"]["outside_pytorch_bytes"] == 700
+
+
+def test_oom_abort_carries_outside_pytorch_bytes() -> None:
+    from fsdp_mem_otel.model import StepAbort, StepReport
+
+    abort = StepAbort("OutOfMemoryError", "CUDA out of memory", True, "layers.1", "after_pre_forward",
+                      {"cuda:0": {"total": 1}}, outside_pytorch_bytes={"cuda:0": 3 * GiB})
+    report = StepReport(step=1, rank=0, world_size=1, mode="light", fsdp_version=2, peak={}, modules={},
+                        aborted=abort)
+    again = StepReport.from_dict(report.to_dict())
+    assert again.aborted is not None and again.aborted.outside_pytorch_bytes == {"cuda:0": 3 * GiB}

@@ -64,6 +64,10 @@ def test_deep_peak_matches_allocator_active_peak(one_rank_group) -> None:  # typ
     assert abs(tracked_peak - active_peak) <= 0.10 * active_peak, (tracked_peak, active_peak, baseline)
     stats = report.allocator["cuda:0"]
     assert stats["allocated_bytes"] == torch.cuda.memory_allocated()
+    free, total = torch.cuda.mem_get_info()  # the driver's view: used - reserved lies outside PyTorch
+    outside = total - free - torch.cuda.memory_reserved()
+    assert abs(stats["outside_pytorch_bytes"] - outside) <= 64 * 2**20  # NCCL may allocate between reads
+    assert stats["outside_pytorch_bytes"] > 0  # the CUDA context alone is hundreds of MiB
     assert stats["untracked_bytes"] == stats["allocated_bytes"] - report.current["cuda:0"]["total"]
 
 
@@ -98,5 +102,6 @@ def test_real_allocator_oom_is_located(one_rank_group) -> None:  # type: ignore[
     abort = reports[1].aborted
     assert abort is not None and abort.oom and abort.error == "OutOfMemoryError"
     assert abort.module == "layers.1"
+    assert abort.outside_pytorch_bytes["cuda:0"] > 0  # the CUDA context, NCCL, cuBLAS at that moment
     assert reports[1].allocator["cuda:0"]["num_ooms"] >= 1
     assert reports[2].aborted is None

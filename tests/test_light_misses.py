@@ -242,3 +242,80 @@ def test_hsdp_without_reduce_scatter_labels_no_reduce_scatter() -> None:
             for mod in report["modules"].values():
                 for calls in mod["snapshots"].values():
                     assert all(snap["cpu"]["reduce_scatter"] == 0 for snap in calls)
+
+
+# -- modules sharing one FSDP group: fully_shard([a, b]) ----------------------------------------
+@dataclass
+class GroupedResult:
+    keys: list[str]
+    light: dict[str, Any]
+    deep: dict[str, Any]
+    upstream_peak_backward: dict[str, dict[str, dict[str, int]]]  # module -> device -> category
+    upstream_total: int
+    errors: int
+
+
+def grouped_modules() -> GroupedResult:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import fully_shard
+
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = BlockModel(BLOCKS, WIDTH)
+    for block in model.layers:
+        fully_shard([block.fc1, block.fc2])  # one FSDP group for two modules
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters())
+    x = make_batch(0, BATCH, WIDTH, rank)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        _loss(model, x).backward()
+        opt.step()
+
+    step()
+    settle()
+    upstream = FSDPMemTracker(model, opt)
+    upstream.track_inputs((x,))
+    with upstream:
+        deep = FSDPMemoryTracker(model, opt, mode="deep").attach()
+        light = FSDPMemoryTracker(model, opt, mode="light").attach()
+        deep.track_inputs(x)
+        light.track_inputs(x)
+        step()
+        light_report, deep_report = light.step().to_dict(), deep.step().to_dict()
+        light.detach()
+        deep.detach()
+    peaks = {}
+    for stats in upstream.memory_tracking.values():
+        if hasattr(stats, "snapshots"):
+            key = stats.mod_fqn.split(".", 1)[1] if "." in stats.mod_fqn else "<root>"
+            calls = [s for state, s in stats.snapshots.items() if state.value == "Peak Backward"]
+            if calls:
+                peaks[key] = _upstream_snapshot(calls[0][0])
+    total = _upstream_snapshot(upstream.get_tracker_snapshot("peak"))["cpu"][TOTAL]
+    return GroupedResult(light.module_keys, light_report, deep_report, peaks, total,
+                         light.errors_total + deep.errors_total)
+
+
+def test_modules_sharing_a_group_get_their_own_backward_peaks() -> None:
+    for res in run_ranks(grouped_modules):
+        assert res.errors == 0
+        members = [f"layers.{i}.{name}" for i in range(BLOCKS) for name in ("fc1", "fc2")]
+        assert set(members) <= set(res.keys)
+        tolerance = 0.01 * res.upstream_total
+        for key in members:
+            theirs = res.upstream_peak_backward[key]["cpu"]
+            ours = res.deep["modules"][key]["snapshots"]["peak_backward"]
+            assert len(ours) == 1
+            for cat in CATEGORY_KEYS:  # deep mode against upstream, per module and category
+                assert abs(ours[0]["cpu"][cat] - theirs[cat]) <= tolerance, (key, cat, ours[0]["cpu"][cat], theirs[cat])
+        for report in (res.light, res.deep):  # the two members of a group are told apart
+            for i in range(BLOCKS):
+                fc1, fc2 = (report["modules"][f"layers.{i}.{n}"]["snapshots"]["peak_backward"][0]["cpu"]
+                            for n in ("fc1", "fc2"))
+                assert fc1 != fc2
+                # both members still report the group's FSDP states
+                for state in ("before_pre_backward", "after_post_backward"):
+                    assert len(report["modules"][f"layers.{i}.fc1"]["snapshots"][state]) == 1
+                    assert len(report["modules"][f"layers.{i}.fc2"]["snapshots"][state]) == 1

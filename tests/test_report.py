@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fsdp_mem_otel import report as report_mod
+from fsdp_mem_otel import jsonl_format
 from fsdp_mem_otel.exporters.jsonl import JSONLExporter, read_reports, rotated_files
 from fsdp_mem_otel.model import CATEGORIES, STATES, TOTAL, ModuleReport, StepAbort, StepReport
 from fsdp_mem_otel.report import (
@@ -484,8 +484,9 @@ def test_index_page_equals_full_scan_page(tmp_path: Path, monkeypatch: pytest.Mo
     expected = page(plain, tmp_path / "plain" / "r.html")
     # with the index the data files are only read at the chosen steps' lines (and spot checks)
     scanned: list[str] = []
-    real_range = report_mod._scan_range
-    monkeypatch.setattr(report_mod, "_scan_range", lambda f, path, *a: scanned.append(path) or real_range(f, path, *a))
+    real_range = jsonl_format._scan_range
+    monkeypatch.setattr(jsonl_format, "_scan_range",
+                        lambda f, path, *a: scanned.append(path) or real_range(f, path, *a))
     assert page(files, tmp_path / "idx" / "r.html") == expected
     assert scanned == []
     check_page_against_jsonl(expected, raw_lines(*(p for f in plain for p in rotated_files(f))))

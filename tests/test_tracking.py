@@ -156,3 +156,15 @@ def test_light_mode_exact_categories_agree_with_deep(runs: list[dict[str, Any]],
         run = by_name[scenario]
         for light, deep in zip(run["reports"], run["shadow_reports"], strict=True):
             assert _compare_light_to_deep(light, deep) > 0
+
+
+def test_no_light_deep_sawtooth_beyond_temporaries(runs: list[dict[str, Any]]) -> None:
+    # deep_every=2 on the demo model: a light step's peak sits between the next deep step's peak
+    # and that peak without its temporaries (which light mode does not see on CPU); before light
+    # mode counted activations it was below that, a sawtooth in every chart.
+    for by_name in runs:
+        reports = by_name["deep_every_2"]["reports"]
+        light, deep = _cpu(reports[2]["peak"]), _cpu(reports[3]["peak"])  # steps 3 and 4, warmed up
+        assert (reports[2]["mode"], reports[3]["mode"]) == ("light", "deep")
+        assert deep[TOTAL] - deep["temp"] <= light[TOTAL] * 1.01, (light, deep)
+        assert light[TOTAL] <= deep[TOTAL] * 1.01, (light, deep)

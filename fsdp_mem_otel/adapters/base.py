@@ -58,9 +58,16 @@ def module_keys(model: nn.Module) -> dict[nn.Module, str]:
 class EventSink(Protocol):
     """The tracker, as adapters see it. None of these raise into FSDP."""
 
-    def on_state(self, key: str, state: str, tensors: object = None) -> None:
+    def on_state(self, key: str, state: str, tensors: object = None, windowed: bool = True) -> None:
         """Module ``key`` reached ``state`` (one of model.STATES, forward ones also in AC);
-        ``tensors``: the module's inputs (pre-forward) or outputs (post-forward) at that state."""
+        ``tensors``: the module's inputs (pre-forward) or outputs (post-forward) at that state;
+        ``windowed=False``: the state opens or closes no peak window (see ``open_window``)."""
+
+    def open_window(self, key: str, peak_state: str) -> None:
+        """Start module ``key``'s ``peak_state`` window where FSDP's states cannot mark it."""
+
+    def close_window(self, key: str, peak_state: str) -> None:
+        """End module ``key``'s ``peak_state`` window."""
 
     def track(self, tensor: torch.Tensor | None, category: str) -> None:
         """Account ``tensor``'s storages under ``category`` (re-categorizing known ones)."""

@@ -40,7 +40,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.utils.hooks import RemovableHandle
 
-from fsdp_mem_otel.adapters.base import EventSink, fsdp_module_keys
+from fsdp_mem_otel.adapters.base import EventSink, fsdp_module_keys, iter_tensors
 from fsdp_mem_otel.compile_support import dynamo_safe
 from fsdp_mem_otel.model import (
     AFTER_POST_BACKWARD,
@@ -53,6 +53,7 @@ from fsdp_mem_otel.model import (
     BEFORE_PRE_BACKWARD,
     BEFORE_PRE_FORWARD,
     BUFFER,
+    PEAK_BACKWARD,
     REDUCE_SCATTER,
     SHARDED_GRAD,
     SHARDED_PARAM,
@@ -132,16 +133,23 @@ class FSDP2Adapter:
 
     def _attach(self) -> None:
         sink = self._sink
+        groups = list(self._groups())
+        # modules sharing one group (fully_shard([a, b])): per-module backward windows
+        shared: dict[str, _SharedGroupWindows] = {}
+        for keys, _ in groups:
+            if len(keys) > 1:
+                windows = _SharedGroupWindows(sink)
+                shared.update(dict.fromkeys(keys, windows))
         handles = self._handles  # one at a time: a failing registration leaves the others removable
         for key, mod in self._modules:
             handles.append(mod.register_forward_pre_hook(_state_hook(sink, key, BEFORE_PRE_FORWARD), prepend=True))
-            handles.append(mod.register_forward_pre_hook(_inputs_hook(sink, key), with_kwargs=True))
+            handles.append(mod.register_forward_pre_hook(_inputs_hook(sink, key, shared.get(key)), with_kwargs=True))
             handles.append(mod.register_forward_hook(_io_hook(sink, key, BEFORE_POST_FORWARD, 2), prepend=True))
             handles.append(mod.register_forward_hook(_io_hook(sink, key, AFTER_POST_FORWARD, 2), always_call=True))
         managed: set[int] = set()
-        for keys, group in self._groups():
+        for keys, group in groups:
             managed.update(id(fp.sharded_param) for fp in group.fsdp_params)
-            self._patch_group(keys, group)
+            self._patch_group(keys, group, shared.get(keys[0]))
         for p in self._unmanaged_params(managed):
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(_grad_hook(sink)))
@@ -164,7 +172,7 @@ class FSDP2Adapter:
         self._saved.append(_SavedAttr(owner, name, existed, owner.__dict__.get(name), wrapper))
         setattr(owner, name, wrapper)
 
-    def _patch_group(self, keys: list[str], group: Any) -> None:
+    def _patch_group(self, keys: list[str], group: Any, shared: _SharedGroupWindows | None) -> None:
         sink = self._sink
         view = _GroupView(group)
         fsdp_params = view.fsdp_params
@@ -173,9 +181,18 @@ class FSDP2Adapter:
         post_forward_shards = getattr(group, "post_forward_mesh_info", None) is not None
 
         def on_state(state: str) -> Callable[[], None]:
+            # the group's states are every member's; with several members the backward peak
+            # windows are per module (``shared``), not the group's
+            windowed = shared is None
+
             def emit() -> None:
                 for key in keys:
-                    sink.on_state(key, state)
+                    sink.on_state(key, state, None, windowed)
+                if shared is not None:
+                    if state == AFTER_PRE_BACKWARD:
+                        shared.backward_begins()
+                    elif state == BEFORE_POST_BACKWARD:
+                        shared.backward_ends()
 
             return emit
 
@@ -295,13 +312,60 @@ def _state_hook(sink: EventSink, key: str, state: str) -> Callable[..., None]:
     return dynamo_safe(hook)
 
 
-def _inputs_hook(sink: EventSink, key: str) -> Callable[..., None]:
+def _inputs_hook(sink: EventSink, key: str, shared: _SharedGroupWindows | None) -> Callable[..., None]:
     """after_pre_forward, with the module's positional and keyword inputs."""
 
     def hook(_module: Any, args: Any, kwargs: Any) -> None:
         sink.on_state(key, AFTER_PRE_FORWARD, (args, kwargs))
+        if shared is not None:
+            _guarded(sink, lambda: shared.forward(key, (args, kwargs)))
 
     return dynamo_safe(hook)
+
+
+class _SharedGroupWindows:
+    """Backward peak windows per module for modules sharing one FSDP group (``fully_shard([a, b])``).
+
+    FSDP runs one pre-/post-backward for the whole group, so its states cannot tell the members
+    apart. Backward visits the members in reverse forward order: the last member's window opens
+    when the group's backward starts, and each member's window closes when autograd has computed
+    the gradients of that member's inputs, which is where the member before it starts (as
+    upstream's ModTracker tells modules apart, with autograd hooks on inputs).
+    """
+
+    def __init__(self, sink: EventSink) -> None:
+        self._sink = sink
+        self._order: list[str] = []  # members in forward order (one entry per call)
+        self._open = -1  # index into _order of the member whose window is open
+
+    def forward(self, key: str, inputs: object) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a checkpoint recompute
+        index = len(self._order)
+        self._order.append(key)
+        needing_grad = [t for t in iter_tensors(inputs) if t.requires_grad]
+        if needing_grad:
+            hook = dynamo_safe(lambda _grads: _guarded(self._sink, lambda: self._inputs_done(index)))
+            torch.autograd.graph.register_multi_grad_hook(needing_grad, hook, mode="all")
+
+    def backward_begins(self) -> None:
+        if self._order:
+            self._open = len(self._order) - 1
+            self._sink.open_window(self._order[self._open], PEAK_BACKWARD)
+
+    def _inputs_done(self, index: int) -> None:
+        if index != self._open:
+            return
+        self._sink.close_window(self._order[index], PEAK_BACKWARD)
+        self._open -= 1
+        if self._open >= 0:
+            self._sink.open_window(self._order[self._open], PEAK_BACKWARD)
+
+    def backward_ends(self) -> None:
+        if 0 <= self._open < len(self._order):
+            self._sink.close_window(self._order[self._open], PEAK_BACKWARD)
+        self._open = -1
+        self._order.clear()
 
 
 def _io_hook(sink: EventSink, key: str, state: str, index: int) -> Callable[..., None]:

@@ -31,58 +31,40 @@ step reports: they are never picked up as rotated files, and one given by name i
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import queue
-import re
 import threading
-import warnings
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
+from fsdp_mem_otel.jsonl_format import (
+    INDEX_OMITS,
+    INDEX_SUFFIX,
+    RANK_PLACEHOLDER,
+    check_path,
+    encode,
+    index_line,
+    index_path,
+    is_index_path,
+    move_pair,
+    read_reports,
+    remove_if_exists,
+    rotated_files,
+)
 from fsdp_mem_otel.model import StepReport
+
+# the file format lives in jsonl_format; these names stay importable from here
+__all__ = ["INDEX_OMITS", "INDEX_SUFFIX", "RANK_PLACEHOLDER", "JSONLExporter", "index_line", "index_path",
+           "is_index_path", "read_reports", "rotated_files"]
 
 logger = logging.getLogger("fsdp_mem_otel")
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 DEFAULT_BACKUP_COUNT = 5
 DEFAULT_MAX_QUEUE = 1000
-#: ``{rank}`` in the path is replaced by the report's rank (one file per rank from one code path)
-RANK_PLACEHOLDER = "{rank}"
-#: suffix of a data file's side index (``run.jsonl`` -> ``run.jsonl.index``)
-INDEX_SUFFIX = ".index"
-#: top-level keys of a StepReport dict left out of its index entry (the bulk of the line)
-INDEX_OMITS = ("modules", "module_order")
 _FILE_MODE = 0o644
 _STOP = object()
-
-
-def index_path(path: str) -> str:
-    """The side index of data file ``path``."""
-    return path + INDEX_SUFFIX
-
-
-def is_index_path(path: str | os.PathLike[str]) -> bool:
-    return os.fspath(path).endswith(INDEX_SUFFIX)
-
-
-def index_line(report_dict: dict[str, Any], offset: int, length: int) -> bytes:
-    """The index entry (one line, newline included) of a data line written at byte ``offset``
-    with ``length`` bytes (its newline included) from ``report_dict`` (``StepReport.to_dict()``)."""
-    summary = {k: v for k, v in report_dict.items() if k not in INDEX_OMITS}
-    entry = {"length": length, "offset": offset, "report": summary}
-    return (json.dumps(entry, sort_keys=True, separators=(",", ":")) + "\n").encode("utf-8")
-
-
-def _check_path(name: str, value: object) -> str:
-    if isinstance(value, bytes) or not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"{name} must be a str or os.PathLike; got {type(value).__name__}")
-    text = os.fspath(value)
-    if not isinstance(text, str) or not text:
-        raise ValueError(f"{name} must be a non-empty file path; got {value!r}")
-    return text
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -121,7 +103,7 @@ class JSONLExporter:
         max_queue: int = DEFAULT_MAX_QUEUE,
         index: bool = True,
     ) -> None:
-        self.path_template = _check_path("path", path)
+        self.path_template = check_path("path", path)
         self.max_bytes = _check_int("max_bytes", max_bytes, 0)
         self.backup_count = _check_int("backup_count", backup_count, 0)
         self.max_queue = _check_int("max_queue", max_queue, 1)
@@ -220,8 +202,7 @@ class JSONLExporter:
                     self._cond.notify_all()
 
     def _write_report(self, report: StepReport) -> None:
-        data = report.to_dict()
-        line = (json.dumps(data, sort_keys=True) + "\n").encode("utf-8")
+        data, line = encode(report)
         if self.path is None:
             self.path = self.path_template.replace(RANK_PLACEHOLDER, str(int(report.rank)))
         try:
@@ -303,11 +284,11 @@ class JSONLExporter:
             for i in range(self.backup_count - 1, 0, -1):
                 src = f"{path}.{i}"
                 if os.path.exists(src):
-                    _move_pair(src, f"{path}.{i + 1}")
-            _move_pair(path, f"{path}.1")
+                    move_pair(src, f"{path}.{i + 1}")
+            move_pair(path, f"{path}.1")
         else:
             os.remove(path)
-            _remove_if_exists(index_path(path))
+            remove_if_exists(index_path(path))
         self._open(path)
 
     def _close_file(self) -> None:
@@ -338,80 +319,3 @@ def _write_all(f: Any, data: bytes, exporter: JSONLExporter | None) -> None:
         if exporter is not None:
             exporter._size += n
         view = view[n:]
-
-
-def _remove_if_exists(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-
-
-def _move_pair(src: str, dst: str) -> None:
-    os.replace(src, dst)
-    if os.path.exists(index_path(src)):
-        os.replace(index_path(src), index_path(dst))
-    else:
-        _remove_if_exists(index_path(dst))  # a stale index must not pair with other data
-
-
-# -- reading back ------------------------------------------------------------------------------
-def rotated_files(path: str | os.PathLike[str]) -> list[str]:
-    """``path``'s rotated predecessors and ``path`` itself, oldest first, those that exist."""
-    base = _check_path("path", path)
-    parent = os.path.dirname(base) or "."
-    name = os.path.basename(base)
-    pattern = re.compile(re.escape(name) + r"\.(\d+)$")
-    numbered: list[tuple[int, str]] = []
-    try:
-        entries = os.listdir(parent)
-    except FileNotFoundError:
-        entries = []
-    for entry in entries:
-        m = pattern.match(entry)
-        if m:
-            numbered.append((int(m.group(1)), os.path.join(parent, entry)))
-    files = [p for _, p in sorted(numbered, reverse=True)]
-    if os.path.exists(base):
-        files.append(base)
-    return files
-
-
-def read_reports(*paths: str | os.PathLike[str]) -> Iterator[StepReport]:
-    """The StepReports in JSONL files, in file order.
-
-    Each path is read with its rotated predecessors (``path.N`` .. ``path.1``, oldest first)
-    when it has any; a path that is itself a rotated file (``run.jsonl.2``) is read alone. A
-    line that does not parse (the last one cut short by a crash, or one left by a write that
-    failed midway) is skipped with a warning. Side index files (``*.index``) given among the
-    paths are ignored. Raises FileNotFoundError for a path with no files.
-    """
-    if not paths:
-        raise ValueError("paths: give at least one JSONL file")
-    checked = [_check_path(f"paths[{i}]", p) for i, p in enumerate(paths)]
-    checked = [p for p in checked if not is_index_path(p)]
-    if not checked:
-        raise ValueError("paths: only side index files (*.index) given; give the JSONL files")
-    files: list[str] = []
-    for p in checked:
-        found = rotated_files(p)
-        if not found:
-            raise FileNotFoundError(f"no JSONL file at {p} (nor rotated {p}.N)")
-        files.extend(found)
-    return _read(files)
-
-
-def _read(files: list[str]) -> Iterator[StepReport]:
-    for path in files:
-        with open(path, "rb") as f:
-            for i, raw in enumerate(f):
-                if not raw.strip():
-                    continue
-                try:
-                    report = StepReport.from_dict(json.loads(raw))
-                except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                    # no newline after it: the last line, whose write did not finish
-                    what = "truncated last line" if not raw.endswith(b"\n") else "unreadable line"
-                    warnings.warn(f"{path}:{i + 1}: skipping {what} ({exc})", RuntimeWarning, stacklevel=2)
-                    continue
-                yield report

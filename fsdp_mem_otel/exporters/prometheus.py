@@ -184,6 +184,9 @@ class StepReportCollector:
                 dev = max(sorted(abort.breakdown), key=lambda d: abort.breakdown[d].get("total", 0))
                 cats = abort.breakdown[dev]
                 add(cat.LAST_OOM_BYTES, [((dev, c), float(cats.get(c, 0))) for c in CATEGORY_KEYS])
+            if abort.outside_pytorch_bytes:
+                add(cat.LAST_OOM_OUTSIDE_PYTORCH_BYTES,
+                    [((dev,), float(n)) for dev, n in sorted(abort.outside_pytorch_bytes.items())])
         if report is not None:
             out.extend(self._module_families(report))
         return out

@@ -31,7 +31,7 @@ from tests.exporters import prom_workers
 ALLOCATOR_KEYS = (
     "allocated_bytes", "allocated_peak_bytes", "reserved_bytes", "reserved_peak_bytes", "active_bytes",
     "active_peak_bytes", "inactive_split_bytes", "device_total_bytes", "num_alloc_retries", "num_ooms",
-    "fragmentation_ratio", "untracked_bytes", "resident_bytes",
+    "fragmentation_ratio", "untracked_bytes", "outside_pytorch_bytes", "resident_bytes",
 )
 IDENTITY = Identity("train", 1, 1, 2, "host", pod="train-1", namespace="ml")
 
@@ -67,7 +67,8 @@ def big_report(n_modules: int = 100) -> StepReport:
     times = {s: [10, 20] for s in STATES}
     mods = {k: ModuleReport({s: [b, b] for s in STATES}, dict(times)) for k in keys}
     alloc: dict[str, dict[str, float]] = {"cuda:0": {k: 1.0 for k in ALLOCATOR_KEYS if k != "resident_bytes"}, "cpu": {"resident_bytes": 1.0}}
-    oom = StepAbort("OutOfMemoryError", "CUDA out of memory", True, keys[-1], "after_pre_forward", b)
+    oom = StepAbort("OutOfMemoryError", "CUDA out of memory", True, keys[-1], "after_pre_forward", b,
+                    outside_pytorch_bytes={"cuda:0": 1})
     return StepReport(step=1, rank=0, world_size=2, mode="light", fsdp_version=1, peak=b, modules=mods,
                       module_order=keys, current=b, allocator=alloc, aborted=oom)
 

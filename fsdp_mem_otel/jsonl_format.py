@@ -1,0 +1,517 @@
+"""The JSON-lines run file: how a StepReport is written, indexed, rotated, read and scanned.
+
+Standard library only. ``exporters/jsonl.py`` writes these files (its thread, its I/O failures);
+``report.py`` charts what this module reads. Nothing else knows the layout.
+
+Layout: one ``StepReport.to_dict()`` per line, keys sorted (so the step-level fields sit around
+``"modules"``, nearly all of a line's bytes). Beside each data file, ``<file>.index`` holds one
+compact entry per data line: ``{"length": L, "offset": O, "report": {...}}``, the line's
+step-level fields (``INDEX_OMITS`` left out) and where the whole line is. Rotation moves
+``path`` -> ``path.1`` -> ... with each index following its data file.
+
+Reading: ``read_reports`` parses whole lines; ``scan_files`` reads only the step-level fields
+(from a consistent index, else around ``"modules"``) and returns a ``RunIndex`` that re-reads the
+complete line of a step only when asked. A line that does not parse is skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsdp_mem_otel.model import TOTAL, StepReport
+
+Progress = Callable[[str], None]
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+#: ``{rank}`` in the path is replaced by the report's rank (one file per rank from one code path)
+RANK_PLACEHOLDER = "{rank}"
+#: suffix of a data file's side index (``run.jsonl`` -> ``run.jsonl.index``)
+INDEX_SUFFIX = ".index"
+#: top-level keys of a StepReport dict left out of its index entry (the bulk of the line)
+INDEX_OMITS = ("modules", "module_order")
+
+def index_path(path: str) -> str:
+    """The side index of data file ``path``."""
+    return path + INDEX_SUFFIX
+
+
+def is_index_path(path: str | os.PathLike[str]) -> bool:
+    return os.fspath(path).endswith(INDEX_SUFFIX)
+
+
+def index_line(report_dict: dict[str, Any], offset: int, length: int) -> bytes:
+    """The index entry (one line, newline included) of a data line written at byte ``offset``
+    with ``length`` bytes (its newline included) from ``report_dict`` (``StepReport.to_dict()``)."""
+    summary = {k: v for k, v in report_dict.items() if k not in INDEX_OMITS}
+    entry = {"length": length, "offset": offset, "report": summary}
+    return (json.dumps(entry, sort_keys=True, separators=(",", ":")) + "\n").encode("utf-8")
+
+
+def check_path(name: str, value: object) -> str:
+    if isinstance(value, bytes) or not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a str or os.PathLike; got {type(value).__name__}")
+    text = os.fspath(value)
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"{name} must be a non-empty file path; got {value!r}")
+    return text
+
+
+def encode(report: StepReport) -> tuple[dict[str, Any], bytes]:
+    """``report`` as its dict and its data line (UTF-8, newline included)."""
+    data = report.to_dict()
+    return data, (json.dumps(data, sort_keys=True) + "\n").encode("utf-8")
+
+
+# -- rotation ------------------------------------------------------------------------------------
+def remove_if_exists(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def move_pair(src: str, dst: str) -> None:
+    os.replace(src, dst)
+    if os.path.exists(index_path(src)):
+        os.replace(index_path(src), index_path(dst))
+    else:
+        remove_if_exists(index_path(dst))  # a stale index must not pair with other data
+
+
+
+# -- reading back ---------------------------------------------------------------------------
+def rotated_files(path: str | os.PathLike[str]) -> list[str]:
+    """``path``'s rotated predecessors and ``path`` itself, oldest first, those that exist."""
+    base = check_path("path", path)
+    parent = os.path.dirname(base) or "."
+    name = os.path.basename(base)
+    pattern = re.compile(re.escape(name) + r"\.(\d+)$")
+    numbered: list[tuple[int, str]] = []
+    try:
+        entries = os.listdir(parent)
+    except FileNotFoundError:
+        entries = []
+    for entry in entries:
+        m = pattern.match(entry)
+        if m:
+            numbered.append((int(m.group(1)), os.path.join(parent, entry)))
+    files = [p for _, p in sorted(numbered, reverse=True)]
+    if os.path.exists(base):
+        files.append(base)
+    return files
+
+
+def read_reports(*paths: str | os.PathLike[str]) -> Iterator[StepReport]:
+    """The StepReports in JSONL files, in file order.
+
+    Each path is read with its rotated predecessors (``path.N`` .. ``path.1``, oldest first)
+    when it has any; a path that is itself a rotated file (``run.jsonl.2``) is read alone. A
+    line that does not parse (the last one cut short by a crash, or one left by a write that
+    failed midway) is skipped with a warning. Side index files (``*.index``) given among the
+    paths are ignored. Raises FileNotFoundError for a path with no files.
+    """
+    if not paths:
+        raise ValueError("paths: give at least one JSONL file")
+    checked = [check_path(f"paths[{i}]", p) for i, p in enumerate(paths)]
+    checked = [p for p in checked if not is_index_path(p)]
+    if not checked:
+        raise ValueError("paths: only side index files (*.index) given; give the JSONL files")
+    files: list[str] = []
+    for p in checked:
+        found = rotated_files(p)
+        if not found:
+            raise FileNotFoundError(f"no JSONL file at {p} (nor rotated {p}.N)")
+        files.extend(found)
+    return _read(files)
+
+
+def _read(files: list[str]) -> Iterator[StepReport]:
+    for path in files:
+        with open(path, "rb") as f:
+            for i, raw in enumerate(f):
+                if not raw.strip():
+                    continue
+                try:
+                    report = StepReport.from_dict(json.loads(raw))
+                except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                    # no newline after it: the last line, whose write did not finish
+                    what = "truncated last line" if not raw.endswith(b"\n") else "unreadable line"
+                    warnings.warn(f"{path}:{i + 1}: skipping {what} ({exc})", RuntimeWarning, stacklevel=2)
+                    continue
+                yield report
+
+
+# -- scanning large runs ----------------------------------------------------------------------
+def main_device(reports: Iterable[StepReport]) -> str:
+    """The device a rank's charts show: the non-host device with the largest peak, else "cpu"."""
+    best: dict[str, int] = {}
+    for r in reports:
+        for dev, cats in r.peak.items():
+            best[dev] = max(best.get(dev, 0), int(cats.get(TOTAL, 0)))
+    accel = {d: v for d, v in best.items() if d != "cpu"}
+    if accel:
+        return max(sorted(accel), key=lambda d: accel[d])
+    return "cpu" if "cpu" in best or not best else max(sorted(best), key=lambda d: best[d])
+
+
+def step_peak(report: StepReport, device: str) -> int:
+    return int(report.peak.get(device, {}).get(TOTAL, 0))
+
+
+@dataclass
+class _Where:
+    path: str
+    start: int
+    end: int
+
+
+@dataclass
+class RunIndex:
+    """Step reports by rank (sorted by step); ``full(rank, step)`` gives one with its modules.
+
+    Built from complete reports (``RunIndex.of(reports)``) or by :func:`scan_files`, whose
+    reports carry step-level fields only and whose modules are read back from the file on demand.
+    A (rank, step) seen twice keeps the later report (counted in ``duplicates``).
+    """
+
+    by_rank: dict[int, list[StepReport]]
+    duplicates: int = 0
+    _where: dict[tuple[int, int], _Where] = field(default_factory=dict)
+    _cache: dict[tuple[int, int], StepReport | None] = field(default_factory=dict)
+    _devices: dict[int, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, reports: Iterable[StepReport], where: dict[int, _Where] | None = None) -> RunIndex:
+        latest: dict[tuple[int, int], StepReport] = {}
+        locs: dict[tuple[int, int], _Where] = {}
+        dup = 0
+        for i, r in enumerate(reports):
+            key = (r.rank, r.step)
+            if key in latest:
+                dup += 1
+            latest[key] = r
+            if where is not None and i in where:
+                locs[key] = where[i]
+        by_rank: dict[int, list[StepReport]] = {}
+        for (rank, _), r in sorted(latest.items()):
+            by_rank.setdefault(rank, []).append(r)
+        return cls(by_rank, dup, locs)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.by_rank)
+
+    def get(self, rank: int, step: int) -> StepReport | None:
+        for r in self.by_rank.get(rank, []):
+            if r.step == step:
+                return r
+        return None
+
+    def device(self, rank: int) -> str:
+        """The rank's main device (see :func:`main_device`)."""
+        if rank not in self._devices:
+            self._devices[rank] = main_device(self.by_rank.get(rank, []))
+        return self._devices[rank]
+
+    def full(self, rank: int, step: int) -> StepReport | None:
+        """The report of ``step`` on ``rank`` with its module snapshots (None if absent)."""
+        key = (rank, step)
+        if key in self._cache:
+            return self._cache[key]
+        loc = self._where.get(key)
+        report = self.get(rank, step) if loc is None else _read_line(loc)
+        if loc is not None and report is not None and (report.rank, report.step) != key:
+            warnings.warn(f"{loc.path}: line at byte {loc.start} holds rank {report.rank} step {report.step}, "
+                          f"not rank {rank} step {step} (file changed since it was indexed?)",
+                          RuntimeWarning, stacklevel=2)
+            report = None
+        self._cache[key] = report
+        return report
+
+
+def _read_line(loc: _Where) -> StepReport | None:
+    with open(loc.path, "rb") as f:
+        f.seek(loc.start)
+        raw = f.read(loc.end - loc.start)
+    try:
+        return StepReport.from_dict(json.loads(raw))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        warnings.warn(f"{loc.path}: line at byte {loc.start} does not parse ({exc})", RuntimeWarning, stacklevel=2)
+        return None
+
+
+_HEAD_END = b'"module_order": '
+_MODULES = b'"modules": '
+_TAIL_START = b'"peak": '
+
+
+def _summary(buf: Any, start: int, end: int) -> StepReport:
+    """Step-level fields of the line buf[start:end]; its modules are left out (see module doc)."""
+    i = buf.find(_MODULES, start, end)
+    j = buf.rfind(_TAIL_START, start, end)
+    if 0 <= i < j:
+        h = buf.find(_HEAD_END, start, i)
+        head = buf[start : h if h >= 0 else i]
+        try:
+            data = json.loads(head + buf[j:end])
+            data["modules"] = {}
+            return StepReport.from_dict(data)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            pass  # not the exporter's layout: parse it whole
+    data = json.loads(buf[start:end])
+    data["modules"], data["module_order"] = {}, []
+    return StepReport.from_dict(data)
+
+
+#: files at least this large (in all) are read by worker processes, two files at a time
+PARALLEL_BYTES = 256 * 1024 * 1024
+_CHUNK = 16 * 1024 * 1024
+
+
+def scan_files(paths: Sequence[str], progress: Progress = quiet, workers: int | None = None) -> RunIndex:
+    """Read the step-level fields of every report in ``paths`` (each with its rotated
+    predecessors, oldest first, as ``read_reports`` does). Raises FileNotFoundError for a path
+    with no file and ValueError for one without a single readable report.
+
+    Reading is bound by the disk: past PARALLEL_BYTES, ``workers`` processes (default: up to 2,
+    at most the CPU count) read one file each, which keeps two reads in flight."""
+    if not paths:
+        raise ValueError("paths: give at least one JSONL file")
+    given = [p for p in paths if not is_index_path(p)]
+    for p in paths:
+        if is_index_path(p):
+            progress(f"{p}: a side index, not a data file; skipped (the index of a data file is used with it)")
+    if not given:
+        raise ValueError("paths: only side index files (*.index) given; give the JSONL files")
+    groups: list[tuple[str, list[str]]] = []
+    for p in given:
+        files = rotated_files(p)
+        if not files:
+            raise FileNotFoundError(f"{p}: no such file (nor rotated {p}.N)")
+        groups.append((p, files))
+    results: dict[str, _Scanned] = {}
+    t0 = time.perf_counter()
+    todo: list[str] = []
+    for f in (f for _, files in groups for f in files):
+        if f in results or f in todo:
+            continue
+        indexed = _from_index(f, progress)
+        if indexed is None:
+            todo.append(f)
+        else:
+            results[f] = indexed
+            progress(f"read {f} via its index: {len(indexed[0])} steps, {os.path.getsize(f) / 1e6:.1f} MB of data "
+                     f"({time.perf_counter() - t0:.1f} s since start of reading)")
+    total = sum(os.path.getsize(f) for f in todo)
+    if workers is None:
+        workers = min(2, os.cpu_count() or 1, len(todo)) if total >= PARALLEL_BYTES else 1
+
+    def done(path: str, res: _Scanned) -> None:
+        results[path] = res
+        progress(f"read {path}: {len(res[0])} steps, {os.path.getsize(path) / 1e6:.1f} MB "
+                 f"({time.perf_counter() - t0:.1f} s since start of reading)")
+
+    if workers > 1 and todo:
+        import concurrent.futures
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
+        with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            futures = {pool.submit(_scan_one, f): f for f in todo}
+            for fut in concurrent.futures.as_completed(futures):
+                done(futures[fut], fut.result())
+    else:
+        for f in todo:
+            done(f, _scan_one(f))
+    reports: list[StepReport] = []
+    where: dict[int, _Where] = {}
+    for p, files in groups:
+        before = len(reports)
+        for f in files:
+            got, spans, warned = results[f]
+            for msg in warned:
+                warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            for r, (start, end) in zip(got, spans, strict=True):
+                where[len(reports)] = _Where(f, start, end)
+                reports.append(r)
+        if len(reports) == before:
+            raise ValueError(f"{p}: no step reports in it (empty file, or no line parses)")
+    return RunIndex.of(reports, where)
+
+
+_Scanned = tuple[list[StepReport], list[tuple[int, int]], list[str]]
+
+
+def _scan_one(path: str) -> _Scanned:
+    """(step-level reports, (start, end) byte span of each line, warnings) of one file, read in
+    large chunks into one reused buffer; only the head and the tail of each line are parsed."""
+    out: list[StepReport] = []
+    spans: list[tuple[int, int]] = []
+    warned: list[str] = []
+    with open(path, "rb", buffering=0) as f:
+        _scan_range(f, path, 0, None, 0, out, spans, warned)
+    return out, spans, warned
+
+
+def _scan_range(f: Any, path: str, start: int, stop: int | None, lineno: int, out: list[StepReport],
+                spans: list[tuple[int, int]], warned: list[str]) -> int:
+    """Scan the lines of ``f`` (unbuffered) from byte ``start`` (a line start) to ``stop`` (a line
+    end + 1, or None: the end of the file) into ``out`` / ``spans`` / ``warned``, numbering lines
+    after ``lineno``; returns the last line number."""
+    left = None if stop is None else stop - start
+    chunk = _CHUNK if left is None else max(1, min(_CHUNK, left))
+    buf = bytearray(2 * chunk)
+    filled = 0  # valid bytes in buf
+    base = start  # file offset of buf[0]
+    f.seek(start)
+    while True:
+        if len(buf) - filled < chunk:  # a line longer than the buffer: grow it
+            buf.extend(bytes(len(buf)))
+        want = chunk if left is None else min(chunk, left)
+        n = f.readinto(memoryview(buf)[filled : filled + want]) if want else 0
+        if left is not None:
+            left -= n or 0
+        filled += n or 0
+        last = not n
+        pos = 0
+        while pos < filled:
+            nl = buf.find(b"\n", pos, filled)
+            if nl < 0 and not last:
+                break  # the rest of this line comes with the next chunk
+            end = filled if nl < 0 else nl
+            lineno += 1
+            if end - pos > 64 or buf[pos:end].strip():  # skip blank lines
+                try:
+                    report = _summary(buf, pos, end)
+                except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                    what = "truncated last line" if nl < 0 else "unreadable line"
+                    warned.append(f"{path}:{lineno}: skipping {what} ({exc})")
+                else:
+                    out.append(report)
+                    spans.append((base + pos, base + end))
+            pos = end + 1
+        if last:
+            break
+        keep = filled - pos
+        if keep > 0:
+            buf[:keep] = buf[pos:filled]
+        base += pos
+        filled = max(keep, 0)
+    return lineno
+
+
+def _from_index(path: str, progress: Progress) -> _Scanned | None:
+    """The scan of ``path`` from its side index (see the module doc), or None when the file has
+    no usable index (then it is scanned whole; a note says why)."""
+    ipath = index_path(path)
+    try:
+        with open(ipath, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        progress(f"{path}: no index ({os.path.basename(ipath)}); reading the whole file")
+        return None
+    except OSError as exc:
+        warnings.warn(f"{ipath}: cannot read the index ({exc}); reading the whole data file", RuntimeWarning,
+                      stacklevel=3)
+        return None
+    try:
+        size = os.path.getsize(path)
+        entries = _parse_index(raw, size)
+        with open(path, "rb", buffering=0) as f:
+            n = len(entries)
+            for k in sorted({n * i // _SPOT_CHECKS for i in range(_SPOT_CHECKS)} | {n - 1} if n else set()):
+                _check_entry(f, *entries[k])
+            out: list[StepReport] = []
+            spans: list[tuple[int, int]] = []
+            warned: list[str] = []
+            lineno = 0
+            pos = 0
+            gap_bytes = 0
+            for off, length, report in entries:
+                if off > pos:  # lines the index does not cover: scan them
+                    gap_bytes += off - pos
+                    lineno = _scan_range(f, path, pos, off, lineno, out, spans, warned)
+                out.append(report)
+                spans.append((off, off + length - 1))
+                lineno += 1
+                pos = off + length
+            if pos < size:
+                gap_bytes += size - pos
+                _scan_range(f, path, pos, None, lineno, out, spans, warned)
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
+        warnings.warn(f"{ipath}: index does not fit its data file ({exc}); reading the whole data file",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    if gap_bytes:
+        progress(f"{path}: {gap_bytes / 1e6:.1f} MB not in its index (lines written without an index entry); "
+                 "read those")
+    return out, spans, warned
+
+
+#: index entries compared with their data lines before the index is trusted (first, last, evenly spaced)
+_SPOT_CHECKS = 8
+_TAIL_BYTES = 64 * 1024
+_TAIL_KEYS = ("peak", "rank", "step", "world_size", "timestamp", "start_time_ns", "end_time_ns")
+
+
+def _check_entry(f: Any, off: int, length: int, report: StepReport) -> None:
+    """ValueError unless the data line at ``off`` (``length`` bytes, newline included) starts and
+    ends at line boundaries and its step-level tail (from its last ``"peak"``) equals the entry's."""
+    if off > 0:
+        f.seek(off - 1)
+        if f.read(1) != b"\n":
+            raise ValueError(f"entry at byte {off} does not start a line")
+    start = max(off, off + length - _TAIL_BYTES)
+    f.seek(start)
+    tail = f.read(off + length - start)
+    if not tail.endswith(b"\n"):
+        raise ValueError(f"entry at byte {off} does not end at a line end")
+    j = tail.rfind(_TAIL_START)
+    if j < 0:
+        raise ValueError(f"line at byte {off} is not in the exporter's layout")
+    data = json.loads(b"{" + tail[j:])
+    mine = report.to_dict()
+    if any(data.get(k) != mine[k] for k in _TAIL_KEYS if k in data):
+        raise ValueError(f"entry at byte {off} (rank {report.rank}, step {report.step}) differs from its data line")
+
+
+def _index_report(d: dict[str, Any]) -> StepReport:
+    """The step-level report of an index entry (no modules): ``StepReport.from_dict`` without
+    its defensive copies, as the dicts come fresh from json."""
+    return StepReport.from_dict({**d, "modules": {}, "module_order": []}, copy=False)
+
+
+def _parse_index(raw: bytes, size: int) -> list[tuple[int, int, StepReport]]:
+    """(offset, length, step-level report) of each entry; ValueError if they do not fit a data file
+    of ``size`` bytes (past its end, out of order, overlapping). A torn last entry is skipped."""
+    lines = raw.split(b"\n")
+    torn = lines.pop()  # b"" when the index ends with a newline, else a last entry cut short
+    entries: list[tuple[int, int, StepReport]] = []
+    end = 0
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            e = json.loads(line)
+        except ValueError as exc:
+            raise ValueError(f"entry {i + 1} does not parse ({exc})") from None
+        off, length, data = e["offset"], e["length"], e["report"]
+        if not (type(off) is int and type(length) is int and isinstance(data, dict)) or off < end or length < 1:
+            raise ValueError(f"entry {i + 1}: bad or out-of-order offset/length ({off!r}, {length!r})")
+        end = off + length
+        if end > size:
+            raise ValueError(f"entry {i + 1} ends at byte {end}, past the end of the data file ({size} bytes)")
+        entries.append((off, length, _index_report(data)))
+    del torn  # skipped: its data line (if complete) is read from the data file as not indexed
+    return entries
