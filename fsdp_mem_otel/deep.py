@@ -25,7 +25,7 @@ from fsdp_mem_otel.recorder import POST_BACKWARD, PRE_BACKWARD, PRE_FORWARD, Ste
 if TYPE_CHECKING:
     from fsdp_mem_otel.ledger import Ledger
 
-logger = logging.getLogger("fsdp_mem_otel")
+logger = logging.getLogger(__name__)
 _ALL_GATHER_OPS = frozenset({torch.ops.c10d._allgather_base_.default})
 _REDUCE_SCATTER_OPS = frozenset({torch.ops.c10d._reduce_scatter_base_.default})
 _GATHER_PHASES = frozenset({PRE_FORWARD, PRE_BACKWARD})

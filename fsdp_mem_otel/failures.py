@@ -3,7 +3,7 @@
 A component (the tracker, an exporter, the sidecar server) owns one ``FailureLog``. Each failure
 is counted; the first of each kind is logged at ERROR with its traceback, the rest are not
 logged. When a component sees a kind of failure work again (a disk that had filled up, an
-endpoint that came back) it calls ``recovered(kind)``: that is logged at INFO, and the next
+endpoint that came back) it calls ``recovered(kind)``: that is logged at WARNING, and the next
 failure of that kind is logged again. Degradations that are not failures (reports dropped to
 keep memory bounded) use ``warn_once`` at WARNING. The models: opentelemetry-python's
 ``DuplicateFilter``, torchtitan's ``warn_once``.
@@ -40,8 +40,8 @@ class FailureLog:
             self._failing.add(kind)
         if first:
             text = f": {detail}" if detail else ""
-            self.logger.error("fsdp_mem_otel: %s: %s failed (training continues; counted, logged once until it "
-                              "works again)%s", self.component, kind, text, exc_info=exc)
+            self.logger.error("fsdp_mem_otel: %s: %s failed (training continues; counted; logged again only "
+                              "after it recovers)%s", self.component, kind, text, exc_info=exc)
         return first
 
     def count(self, n: int = 1) -> None:
@@ -55,7 +55,12 @@ class FailureLog:
             was_failing = kind in self._failing
             self._failing.discard(kind)
         if was_failing:
-            self.logger.info("fsdp_mem_otel: %s: %s works again", self.component, kind)
+            self.logger.warning("fsdp_mem_otel: %s: %s recovered, works again", self.component, kind)
+
+    @property
+    def kinds_logged(self) -> int:
+        """How many kinds of failure are failing now (each was logged once)."""
+        return len(self._failing)
 
     def failing(self, kind: str) -> bool:
         """Whether ``kind`` failed last time it was tried."""

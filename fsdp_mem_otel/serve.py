@@ -27,9 +27,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 
 from fsdp_mem_otel import catalog as cat
-from fsdp_mem_otel.exporters.prometheus import RANK_FILE_RE
+from fsdp_mem_otel.failures import FailureLog
+from fsdp_mem_otel.rank_files import rank_of
 
-logger = logging.getLogger("fsdp_mem_otel")
+logger = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DEFAULT_STALE_SECONDS = 300.0
@@ -54,7 +55,7 @@ class SidecarCollector:
         self._cache: dict[str, tuple[tuple[int, int, int], list[Metric]]] = {}
         self._identity: dict[int, dict[str, str]] = {}
         self._read_errors: dict[int, int] = {}
-        self._logged: set[str] = set()
+        self.failures = FailureLog(logger, "sidecar server")
 
     def _rank_files(self) -> list[tuple[int, str]]:
         try:
@@ -66,9 +67,9 @@ class SidecarCollector:
             return []
         found = []
         for name in names:
-            m = RANK_FILE_RE.match(name)
-            if m:
-                found.append((int(m.group(1)), os.path.join(self.directory, name)))
+            rank = rank_of(name)
+            if rank is not None:
+                found.append((rank, os.path.join(self.directory, name)))
         return sorted(found)
 
     def _read(self, rank: int, path: str) -> tuple[float, list[Metric]] | None:
@@ -100,9 +101,7 @@ class SidecarCollector:
         self._log_once(f"read:{path}", f"cannot read or parse {path} (its samples are left out): {exc!r}")
 
     def _log_once(self, key: str, msg: str) -> None:
-        if key not in self._logged:
-            self._logged.add(key)
-            logger.error("fsdp_mem_otel serve: %s", msg)
+        self.failures.failed(key, None, msg)
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:  # the cache and counters are shared by concurrent scrapes

@@ -24,6 +24,7 @@ from fsdp_mem_otel.compile_support import compiled_regions, force_eager, keep_ou
 from fsdp_mem_otel.config import TrackerConfig
 from fsdp_mem_otel.deep import RESIZE_WATCH, DeepMode
 from fsdp_mem_otel.exporters import Exporter
+from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.ledger import Ledger
 from fsdp_mem_otel.model import (
     ACTIVATION,
@@ -41,7 +42,7 @@ from fsdp_mem_otel.model import (
 )
 from fsdp_mem_otel.recorder import StepContext, StepRecorder
 
-logger = logging.getLogger("fsdp_mem_otel")
+logger = logging.getLogger(__name__)
 _in_backward = torch._C._current_graph_task_id
 _POST_FORWARD = frozenset({BEFORE_POST_FORWARD, AFTER_POST_FORWARD})
 
@@ -110,14 +111,14 @@ class FSDPMemoryTracker:
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
 
-        self.errors_total = 0
+        #: the tracker's own failures and its exporters' (each kind logged once)
+        self.failures = FailureLog(logger, "tracker")
         self._own_errors = 0  # errors_total without exporter failures: what max_errors limits
         self.steps_completed = 0
         #: deep steps that stayed light, by reason (``DEEP_SKIPPED_COMPILED``)
         self.deep_skipped_total: dict[str, int] = {}
         self.attached = False
         self.disabled = False
-        self._logged_errors: set[str] = set()
         self._owner_thread: int | None = None
         self._opt_handles: list[Any] = []
         self._opt_tensors: dict[int, weakref.ref[torch.Tensor]] = {}
@@ -195,6 +196,11 @@ class FSDPMemoryTracker:
 
     def __exit__(self, *exc: object) -> None:
         self.detach()
+
+    @property
+    def errors_total(self) -> int:
+        """Internal failures so far (exporter failures included); never raised into training."""
+        return self.failures.total
 
     @property
     def module_keys(self) -> list[str]:
@@ -535,17 +541,14 @@ class FSDPMemoryTracker:
     def report_error(self, exc: BaseException, may_disable: bool = True) -> None:
         """Count an internal failure, log it once per kind, and detach after too many
         (``max_errors``) of the tracker's own; exporter failures pass ``may_disable=False``."""
-        self.errors_total += 1
-        where = f"{type(exc).__name__}@{_origin(exc)}"
-        if where not in self._logged_errors:
-            self._logged_errors.add(where)
-            logger.error("fsdp_mem_otel internal error (training continues): %r", exc, exc_info=exc)
+        self.failures.failed(f"{type(exc).__name__} at {_origin(exc)}", exc, repr(exc))
         if may_disable:
             self._own_errors += 1
         limit = self.config.max_errors
         if limit and self._own_errors >= limit and not self.disabled:
             self.disabled = True
-            logger.error("fsdp_mem_otel: %d internal errors, tracker disabled itself", self.errors_total)
+            logger.error("fsdp_mem_otel: %d internal errors, the tracker detached itself (training continues)",
+                         self.errors_total)
             try:
                 self.detach()
             except Exception:  # noqa: BLE001

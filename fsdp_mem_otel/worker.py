@@ -206,10 +206,30 @@ class BackgroundWorker(Generic[T]):
                 self._cond.notify_all()
 
 
-def shutdown_all(timeout: float = EXIT_DEADLINE_SECONDS) -> None:
-    """Shut every live worker down, each within ``timeout`` seconds (at exit, on SIGTERM)."""
+_EXIT_CALLBACKS: list[weakref.WeakMethod[Callable[[], object]]] = []
+
+
+def at_exit(method: Callable[[], object]) -> None:
+    """Call the bound ``method`` (an exporter's ``shutdown``) at interpreter exit and on SIGTERM,
+    before the workers are shut down; held weakly, so its object can still be collected."""
     with _LIVE_LOCK:
+        _EXIT_CALLBACKS.append(weakref.WeakMethod(method))  # type: ignore[arg-type]
+    _install_exit_handlers()
+
+
+def shutdown_all(timeout: float = EXIT_DEADLINE_SECONDS) -> None:
+    """Shut down every exporter registered with ``at_exit`` and every live worker, each worker
+    within ``timeout`` seconds (at exit, on SIGTERM)."""
+    with _LIVE_LOCK:
+        callbacks = [ref() for ref in _EXIT_CALLBACKS]
+        _EXIT_CALLBACKS.clear()
         workers = list(_LIVE)
+    for fn in callbacks:
+        if fn is not None:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - exit paths never raise
+                logger.exception("fsdp_mem_otel: shutdown at exit failed")
     for w in workers:
         try:
             w.shutdown(timeout)

@@ -111,7 +111,7 @@ def test_failures_are_counted_logged_once_and_recover(caplog: pytest.LogCaptureF
     assert failures.total == 6
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 2  # once per outage
-    assert sum(r.levelno == logging.INFO and "works again" in r.getMessage() for r in caplog.records) == 1
+    assert sum(r.levelno == logging.WARNING and "works again" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_shutdown_has_a_deadline_with_a_stuck_handler() -> None:

@@ -506,7 +506,7 @@ def soak(light_steps: int, deep_steps: int) -> dict[str, Any]:
                 samples.append({
                     "mode": mode, "step": step, "rss": proc.memory_info().rss,
                     "ledger": len(tracker.ledger), "opt_tensors": len(tracker._opt_tensors),
-                    "windows": tracker.ledger.open_windows, "logged": len(tracker._logged_errors),
+                    "windows": tracker.ledger.open_windows, "logged": tracker.failures.kinds_logged,
                     "errors": tracker.errors_total,
                     "series": sum(len(f.samples) for f in exporter.registry.collect()),
                 })

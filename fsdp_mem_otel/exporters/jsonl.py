@@ -1,10 +1,13 @@
 """JSONL exporter: one ``StepReport.to_dict()`` per line, size-capped rotation. Does not import torch.
 
-``export()`` hands the report to a writer thread and returns; the thread serializes it (JSON,
-sorted keys) and writes the line with one unbuffered ``write`` to a file opened in append mode,
-so what a step wrote is in the kernel once the thread is past it: a crash loses at most the step
-in flight (and anything still queued behind a stalled file system). Before a line would take the
-file past ``max_bytes`` the file is rotated like ``logging.handlers.RotatingFileHandler``:
+``export()`` hands the report to a background worker (``fsdp_mem_otel.worker``) and returns; the
+worker serializes it (JSON, sorted keys) and writes the line with one unbuffered ``write`` to a
+file opened in append mode, so what a step wrote is in the kernel once the worker is past it: a
+crash loses at most the step in flight (and what waits behind a stalled file system). What waits
+is bounded in reports and in bytes; beyond that the oldest waiting reports are dropped and counted,
+and a write stuck for ``DEFAULT_STALL_SECONDS`` is logged once, so a hung file system costs
+bounded memory. Before a line would take the file past ``max_bytes`` the file is rotated like
+``logging.handlers.RotatingFileHandler``:
 ``path`` -> ``path.1`` -> ... -> ``path.<backup_count>`` (the oldest is deleted).
 
 Why not ``RotatingFileHandler`` itself: it reports write failures only through
@@ -30,14 +33,11 @@ step reports: they are never picked up as rotated files, and one given by name i
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import queue
-import threading
-import weakref
 from typing import Any
 
+from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.jsonl_format import (
     INDEX_OMITS,
     INDEX_SUFFIX,
@@ -53,18 +53,28 @@ from fsdp_mem_otel.jsonl_format import (
     rotated_files,
 )
 from fsdp_mem_otel.model import StepReport
+from fsdp_mem_otel.worker import BackgroundWorker
 
 # the file format lives in jsonl_format; these names stay importable from here
 __all__ = ["INDEX_OMITS", "INDEX_SUFFIX", "RANK_PLACEHOLDER", "JSONLExporter", "index_line", "index_path",
            "is_index_path", "read_reports", "rotated_files"]
 
-logger = logging.getLogger("fsdp_mem_otel")
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 DEFAULT_BACKUP_COUNT = 5
 DEFAULT_MAX_QUEUE = 1000
-_FILE_MODE = 0o644
-_STOP = object()
+#: bytes of reports waiting for the writer at most (estimated in memory, see ``report_bytes``)
+DEFAULT_MAX_QUEUE_BYTES = 64 * 1024 * 1024
+#: a write stuck this long (hung NFS, a FIFO nobody reads) is logged once
+DEFAULT_STALL_SECONDS = 30.0
+
+
+def report_bytes(report: StepReport) -> int:
+    """What ``report`` holds in memory, roughly: its module snapshots dominate (a dict of 12
+    integers per device each, about 700 bytes measured), plus the step-level fields."""
+    snapshots = sum(len(calls) for m in report.modules.values() for calls in m.snapshots.values())
+    return 2048 + 700 * snapshots * max(1, len(report.peak))
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -84,14 +94,15 @@ class JSONLExporter:
             single line larger than this gets a file of its own.
         backup_count: rotated files kept (``path.1`` newest .. ``path.N`` oldest); with 0 the file
             is simply restarted when full.
-        max_queue: reports waiting for the writer thread at most; beyond that a report is
-            dropped and counted (``dropped_total`` and ``errors_total``).
+        max_queue, max_queue_bytes: reports (and their estimated bytes) waiting for the writer
+            at most; beyond that the oldest waiting are dropped and counted (``dropped_total``
+            and ``errors_total``).
         index: also write the side index ``<file>.index`` (see the module doc).
 
     I/O failures never raise into training: each failed line is counted in ``errors_total``,
     the first of an outage is logged (and the recovery), and the next report retries.
-    ``flush()`` waits until everything exported so far is written; ``shutdown()`` flushes, stops
-    the thread and closes the file, and is safe to call twice.
+    ``flush()`` waits until everything exported so far is written; ``shutdown()`` writes what
+    waits until its deadline, closes the file, and is safe to call twice.
     """
 
     def __init__(
@@ -101,135 +112,85 @@ class JSONLExporter:
         max_bytes: int = DEFAULT_MAX_BYTES,
         backup_count: int = DEFAULT_BACKUP_COUNT,
         max_queue: int = DEFAULT_MAX_QUEUE,
+        max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
         index: bool = True,
     ) -> None:
         self.path_template = check_path("path", path)
         self.max_bytes = _check_int("max_bytes", max_bytes, 0)
         self.backup_count = _check_int("backup_count", backup_count, 0)
         self.max_queue = _check_int("max_queue", max_queue, 1)
+        self.max_queue_bytes = _check_int("max_queue_bytes", max_queue_bytes, 1)
         if not isinstance(index, bool):
             raise TypeError(f"index must be a bool; got {type(index).__name__}")
         self.index = index
         self.path: str | None = None if RANK_PLACEHOLDER in self.path_template else self.path_template
-        self.errors_total = 0
-        self.dropped_total = 0
         self.lines_total = 0
+        self.failures = FailureLog(logger, "JSONL exporter")
         self._file: Any = None  # raw (unbuffered) binary file, or None when closed / after a failure
         self._size = 0
         self._index_file: Any = None  # raw binary file of the side index, or None
-        self._failing = False
         self._closed = False
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=self.max_queue)
-        self._pending = 0
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._atexit: Any = None
+        self._worker: BackgroundWorker[StepReport] | None = None
+
+    @property
+    def errors_total(self) -> int:
+        """Failed writes plus dropped reports."""
+        return self.failures.total
+
+    @property
+    def dropped_total(self) -> int:
+        """Reports dropped because the writer fell too far behind."""
+        return self._worker.dropped if self._worker is not None else 0
 
     # -- Exporter protocol -------------------------------------------------------------------
     def export(self, report: StepReport) -> None:
-        """Queue ``report`` for the writer thread; returns at once."""
+        """Queue ``report`` for the writer; returns at once."""
         if self._closed:
             return
-        if self._thread is None:
-            self._start()
-        with self._cond:
-            self._pending += 1
-        try:
-            self._queue.put_nowait(report)
-        except queue.Full:
-            with self._cond:
-                self._pending -= 1
-                self.dropped_total += 1
-                self.errors_total += 1
-                self._cond.notify_all()
-            if self.dropped_total == 1:
-                logger.warning("fsdp_mem_otel: JSONL writer is %d reports behind; dropping reports", self.max_queue)
+        if self._worker is None:
+            self._worker = BackgroundWorker("jsonl", self._write_report, self.failures, max_items=self.max_queue,
+                                            max_bytes=self.max_queue_bytes)
+        elif self._worker.stalled(DEFAULT_STALL_SECONDS):
+            self.failures.warn_once("stall", f"writing {self.path} has been stuck for over "
+                                    f"{DEFAULT_STALL_SECONDS:.0f} s (hung file system?); reports wait, "
+                                    "bounded, the oldest dropped and counted")
+        self._worker.submit(report, report_bytes(report))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every report exported so far is written (or failed); False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._pending == 0, timeout)
+        return self._worker.flush(timeout) if self._worker is not None else True
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Write what is queued, stop the thread and close the file. Safe to call twice."""
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Write what waits (until ``timeout`` seconds), stop the worker and close the file.
+        Safe to call twice."""
         if self._closed:
             return
         self._closed = True
-        if self._atexit is not None:
-            atexit.unregister(self._atexit)
-            self._atexit = None
-        thread = self._thread
-        if thread is not None:
-            try:
-                self._queue.put(_STOP, timeout=timeout)  # the queue may be full behind a stuck write
-            except queue.Full:
-                logger.warning("fsdp_mem_otel: JSONL writer stuck; %d reports not written", self._pending)
-                return
-            thread.join(timeout)
-            if thread.is_alive():
-                logger.warning("fsdp_mem_otel: JSONL writer did not finish within %.0f s", timeout)
-                return
+        if self._worker is not None and not self._worker.shutdown(timeout):
+            return  # a write is stuck in the kernel: leave the file to the abandoned worker
         self._close_file()
 
-    # -- writer thread -----------------------------------------------------------------------
-    def _start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="fsdp-mem-otel-jsonl", daemon=True)
-        self._thread.start()
-        # Drain at interpreter exit if the user never called shutdown(); weak so the exporter
-        # can still be collected.
-        ref = weakref.ref(self)
-
-        def _drain() -> None:
-            exporter = ref()
-            if exporter is not None:
-                exporter.shutdown(timeout=5.0)
-
-        self._atexit = _drain
-        atexit.register(_drain)
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is _STOP:
-                return
-            try:
-                self._write_report(item)  # type: ignore[arg-type]
-            except Exception:  # noqa: BLE001 - the writer thread must survive anything
-                self._count_error("JSONL export failed")
-            finally:
-                with self._cond:
-                    self._pending -= 1
-                    self._cond.notify_all()
-
+    # -- the worker's side -------------------------------------------------------------------
     def _write_report(self, report: StepReport) -> None:
         data, line = encode(report)
         if self.path is None:
             self.path = self.path_template.replace(RANK_PLACEHOLDER, str(int(report.rank)))
         try:
             offset = self._write_line(self.path, line)
-        except OSError:
+        except OSError as exc:
             self._close_file()
-            self._count_error(f"cannot write {self.path}")
+            self.failures.failed("writing", exc, self.path)
             return
         self.lines_total += 1
         if self.index:
             # only now: the data line is complete, so the entry never points at a partial line
             try:
                 self._write_index(self.path, index_line(data, offset, len(line)))
-            except OSError:
+            except OSError as exc:
                 self._close_index()
-                self._count_error(f"cannot write {index_path(self.path)}")
+                self.failures.failed("writing", exc, index_path(self.path))
                 return
-        if self._failing:
-            self._failing = False
-            logger.warning("fsdp_mem_otel: JSONL export to %s recovered", self.path)
-
-    def _count_error(self, what: str) -> None:
-        with self._cond:
-            self.errors_total += 1
-        if not self._failing:
-            self._failing = True
-            logger.exception("fsdp_mem_otel: %s (counted in errors_total; retrying at every step)", what)
+        self.failures.recovered("writing")
 
     def _write_line(self, path: str, line: bytes) -> int:
         """Append ``line`` to the data file (rotating first if due); returns its offset."""

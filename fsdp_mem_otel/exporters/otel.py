@@ -83,13 +83,10 @@ step span, with ``fsdp.module`` and ``fsdp.call`` added to its attributes.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import queue
 import threading
 import time
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,6 +103,7 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from fsdp_mem_otel import __version__
+from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.identity import Identity
 from fsdp_mem_otel.model import (
     AFTER_POST_BACKWARD,
@@ -125,8 +123,9 @@ from fsdp_mem_otel.model import (
     DeviceBreakdown,
     StepReport,
 )
+from fsdp_mem_otel.worker import BackgroundWorker, at_exit
 
-logger = logging.getLogger("fsdp_mem_otel")
+logger = logging.getLogger(__name__)
 
 # -- otel_attributes: every name emitted (table in the module docstring) ----------------------
 RES_SERVICE_NAME = "service.name"
@@ -252,32 +251,12 @@ def build_resource(identity: Identity, service_name: str | None = None) -> Resou
     return resource
 
 
-class _ErrorCounter:
-    """Thread-safe failure count; logs the first failure of each kind, the rest at debug."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.total = 0
-        self._seen: set[str] = set()
-
-    def count(self, where: str, message: str, exc: BaseException | None = None) -> None:
-        with self._lock:
-            self.total += 1
-            first = where not in self._seen
-            self._seen.add(where)
-        if first:
-            logger.warning("fsdp_mem_otel: OTel exporter: %s failed (logged once, counted in errors_total): %s",
-                           where, message, exc_info=exc)
-        else:
-            logger.debug("fsdp_mem_otel: OTel exporter: %s failed again: %s", where, message)
-
-
 class _GuardedSpanExporter(SpanExporter):
     """Wraps the real span exporter (on the processor's worker thread): counts failed batches,
     never raises, and after shutdown's deadline drops what is left instead of waiting on a dead
     endpoint once per batch."""
 
-    def __init__(self, inner: SpanExporter, errors: _ErrorCounter) -> None:
+    def __init__(self, inner: SpanExporter, errors: FailureLog) -> None:
         self.inner = inner
         self._errors = errors
         self.drop_after: float | None = None  # time.monotonic() deadline, set by shutdown
@@ -285,30 +264,31 @@ class _GuardedSpanExporter(SpanExporter):
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if self.drop_after is not None and time.monotonic() > self.drop_after:
-            self._errors.count("shutdown", f"dropped {len(spans)} spans still queued at the shutdown deadline")
+            self._errors.failed("shutdown", None, f"dropped {len(spans)} spans still queued at the shutdown deadline")
             return SpanExportResult.FAILURE
         try:
             result = self.inner.export(spans)
         except Exception as exc:  # noqa: BLE001 - runs on the SDK's worker thread; count, never raise
-            self._errors.count("sending spans", f"{type(exc).__name__}: {exc}", exc)
+            self._errors.failed("sending spans", exc)
             return SpanExportResult.FAILURE
         if result is SpanExportResult.SUCCESS:
             self.exported_spans += len(spans)
+            self._errors.recovered("sending spans")
         else:
-            self._errors.count("sending spans", f"{type(self.inner).__name__} could not send {len(spans)} spans")
+            self._errors.failed("sending spans", None, f"{type(self.inner).__name__} could not send {len(spans)} spans")
         return result
 
     def shutdown(self) -> None:
         try:
             self.inner.shutdown()
         except Exception as exc:  # noqa: BLE001
-            self._errors.count("shutdown", f"{type(exc).__name__}: {exc}", exc)
+            self._errors.failed("shutdown", exc)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         try:
             return bool(self.inner.force_flush(timeout_millis))
         except Exception as exc:  # noqa: BLE001
-            self._errors.count("flush", f"{type(exc).__name__}: {exc}", exc)
+            self._errors.failed("flush", exc)
             return False
 
 
@@ -388,7 +368,7 @@ class OTelSpanExporter:
         self.identity = identity if identity is not None else Identity.from_env()
         self.spans_every = spans_every
         self.resource = build_resource(self.identity, service_name)
-        self._errors = _ErrorCounter()
+        self._errors = FailureLog(logger, "OTel exporter")
         self._shutdown_lock = threading.Lock()
         self._closed = False
         self.steps_exported = 0
@@ -414,10 +394,9 @@ class OTelSpanExporter:
         self._tracer = self._provider.get_tracer("fsdp_mem_otel", __version__)
         # Spans are built off the training thread too (about 0.2 ms per module call, measured):
         # export() only queues the report, which the tracker never touches again.
-        self._pending: queue.Queue[StepReport | None] = queue.Queue(maxsize=max_pending_steps)
-        self._worker = threading.Thread(target=self._work, name="fsdp-mem-otel-spans", daemon=True)
-        self._worker.start()
-        atexit.register(_shutdown_at_exit, weakref.ref(self))
+        self._worker: BackgroundWorker[StepReport] = BackgroundWorker(
+            "spans", self._build, self._errors, max_items=max_pending_steps)
+        at_exit(self.shutdown)
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -448,11 +427,9 @@ class OTelSpanExporter:
         try:
             if not self.wants(report):
                 return
-            self._pending.put_nowait(report)
-        except queue.Full:
-            self._errors.count("queueing", f"{self._pending.maxsize} steps already waiting; step {report.step} dropped")
+            self._worker.submit(report)
         except Exception as exc:  # noqa: BLE001 - telemetry must not break training
-            self._errors.count("queueing", f"{type(exc).__name__}: {exc}", exc)
+            self._errors.failed("queueing", exc)
 
     def force_flush(self, timeout: float | None = None) -> bool:
         """Build and send what is queued; waits at most ``timeout`` seconds (default shutdown_timeout)."""
@@ -463,7 +440,7 @@ class OTelSpanExporter:
         provider = self._provider
 
         def flush() -> bool:
-            self._pending.join()
+            self._worker.flush()
             return bool(provider.force_flush())
 
         return self._bounded("flush", flush, timeout)
@@ -481,26 +458,15 @@ class OTelSpanExporter:
         provider = self._provider
 
         def stop() -> None:
-            self._pending.join()
-            self._pending.put(None)  # the worker's stop sentinel
+            self._worker.shutdown(self._shutdown_timeout)
             provider.shutdown()
 
         self._bounded("shutdown", stop, self._shutdown_timeout + 1.0)
 
-    def _work(self) -> None:
-        """Span-building thread: one queued report at a time, until the stop sentinel."""
-        while True:
-            report = self._pending.get()
-            try:
-                if report is None:
-                    return
-                self._emit(report)
-                self.steps_exported += 1
-            except Exception as exc:  # noqa: BLE001 - count, keep the thread alive
-                step = getattr(report, "step", "?")
-                self._errors.count("building spans", f"step {step}: {type(exc).__name__}: {exc}", exc)
-            finally:
-                self._pending.task_done()
+    def _build(self, report: StepReport) -> None:
+        """On the worker: one report's spans."""
+        self._emit(report)
+        self.steps_exported += 1
 
     def _bounded(self, what: str, fn: Any, timeout: float | None) -> bool:
         """Run ``fn`` on a daemon thread and wait at most ``timeout`` s: the SDK's flush has no
@@ -514,14 +480,15 @@ class OTelSpanExporter:
                 out = fn()
                 result.append(out is not False)
             except Exception as exc:  # noqa: BLE001
-                self._errors.count(what, f"{type(exc).__name__}: {exc}", exc)
+                self._errors.failed(what, exc)
                 result.append(False)
             finally:
                 done.set()
 
         threading.Thread(target=run, name=f"fsdp-mem-otel-{what}", daemon=True).start()
         if not done.wait(self._shutdown_timeout if timeout is None else timeout):
-            self._errors.count(what, f"gave up after {timeout or self._shutdown_timeout:.1f}s; queued spans dropped")
+            self._errors.failed(what, None, f"gave up after {timeout or self._shutdown_timeout:.1f}s; queued spans "
+                                "dropped")
             return False
         return bool(result and result[0])
 
@@ -612,12 +579,6 @@ class OTelSpanExporter:
             span = holder.span if holder is not None and holder.span is not None else step_span
             for dev, cats in breakdown.items():
                 span.add_event(state, {ATTR_DEVICE: dev, **_mem(cats), **extra}, timestamp=t)
-
-
-def _shutdown_at_exit(ref: weakref.ref[OTelSpanExporter]) -> None:
-    exporter = ref()
-    if exporter is not None:
-        exporter.shutdown()
 
 
 def _mem(cats: Mapping[str, int]) -> dict[str, int]:

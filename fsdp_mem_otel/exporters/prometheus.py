@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -30,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from fsdp_mem_otel import __version__
 from fsdp_mem_otel import catalog as cat
+from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.identity import Identity
 from fsdp_mem_otel.model import (
     AFTER_POST_FORWARD,
@@ -43,21 +43,15 @@ from fsdp_mem_otel.model import (
     StepAbort,
     StepReport,
 )
+from fsdp_mem_otel.rank_files import rank_file_name
+from fsdp_mem_otel.worker import BackgroundWorker
 
-logger = logging.getLogger("fsdp_mem_otel")
+logger = logging.getLogger(__name__)
 
 DEFAULT_BASE_PORT = 9400
-#: rank files in a sidecar directory; anything else there (temp files included) is ignored
-RANK_FILE_RE = re.compile(r"^rank-(\d+)\.prom$")
 _FILE_MODE = 0o644
 _DIR_MODE = 0o700
-
-
-def rank_file_name(rank: int) -> str:
-    """Name of a rank's file in a sidecar directory."""
-    return f"rank-{int(rank)}.prom"
-
-
+#: rank files in a sidecar directory; anything else there (temp files included) is ignored
 def _family(m: cat.Metric, labels: tuple[str, ...]) -> GaugeMetricFamily | CounterMetricFamily:
     cls = CounterMetricFamily if m.type == cat.COUNTER else GaugeMetricFamily
     return cls(m.name, m.help, labels=list(labels))
@@ -70,9 +64,11 @@ class StepReportCollector:
     reference swap and one addition under a lock).
     """
 
-    def __init__(self, identity: Identity, *, detail: bool = False) -> None:
+    def __init__(self, identity: Identity, *, detail: bool = False, failures: FailureLog | None = None) -> None:
         if not isinstance(identity, Identity):
             raise TypeError(f"identity must be an fsdp_mem_otel.identity.Identity; got {type(identity).__name__}")
+        #: the owning exporter's failures (exported as errors_total{component="exporter"})
+        self.failures = failures if failures is not None else FailureLog(logger, "Prometheus exporter")
         self.identity = identity
         self.detail = bool(detail)
         self._id_names = tuple(identity.labels())
@@ -80,7 +76,6 @@ class StepReportCollector:
         self._lock = threading.Lock()
         self._report: StepReport | None = None
         self._overhead_total = 0.0
-        self._exporter_errors = 0
         self._aborted = {"oom": 0, "error": 0}
         self._deep_skipped = dict.fromkeys(DEEP_SKIP_REASONS, 0)
         self._last_oom: tuple[float, StepAbort] | None = None
@@ -99,15 +94,9 @@ class StepReportCollector:
                         self._last_oom = (report.timestamp, report.aborted)
             self._report = report
 
-    def count_error(self) -> int:
-        """Count one exporter failure; returns the new count."""
-        with self._lock:
-            self._exporter_errors += 1
-            return self._exporter_errors
-
     @property
     def exporter_errors(self) -> int:
-        return self._exporter_errors
+        return self.failures.total
 
     @property
     def report(self) -> StepReport | None:
@@ -124,15 +113,14 @@ class StepReportCollector:
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
-            report, overhead_total, exporter_errors = self._report, self._overhead_total, self._exporter_errors
+            report, overhead_total = self._report, self._overhead_total
         families: list[Metric] = []
         try:
-            families = self._families(report, overhead_total, exporter_errors)
+            families = self._families(report, overhead_total, self.failures.total)
+            self.failures.recovered("building metrics")
         except Exception as exc:  # noqa: BLE001 - a malformed report must not break the scrape
-            errors = self.count_error()
-            if errors == 1 or errors & (errors - 1) == 0:  # 1, 2, 4, 8, ...: no log flood per scrape
-                logger.error("fsdp_mem_otel: could not build Prometheus metrics (error %d): %r", errors, exc)
-            families = self._families(None, overhead_total, errors)
+            self.failures.failed("building metrics", exc)
+            families = self._families(None, overhead_total, self.failures.total)
         yield from families
 
     # -- building ----------------------------------------------------------------------------
@@ -289,7 +277,8 @@ class PrometheusExporter:
                 or not heartbeat_seconds > 0:
             raise ValueError(f"heartbeat_seconds must be a number > 0; got {heartbeat_seconds!r}")
         self.identity = identity
-        self.collector = StepReportCollector(identity, detail=detail)
+        self.failures = FailureLog(logger, "Prometheus exporter")
+        self.collector = StepReportCollector(identity, detail=detail, failures=self.failures)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.registry.register(self.collector)
         self.addr = addr
@@ -300,7 +289,6 @@ class PrometheusExporter:
         self._server: Any = None
         self._server_thread: threading.Thread | None = None
         self._writer: _SidecarWriter | None = None
-        self._logged: set[str] = set()
 
         if http:
             want = port if port is not None else base_port + identity.local_rank
@@ -308,7 +296,7 @@ class PrometheusExporter:
         if sidecar_dir is not None:
             directory = os.fspath(sidecar_dir)
             self.sidecar_path = os.path.join(directory, rank_file_name(identity.rank))
-            self._writer = _SidecarWriter(directory, self.sidecar_path, self._render, self.collector.count_error,
+            self._writer = _SidecarWriter(directory, self.sidecar_path, self._render, self.failures,
                                           heartbeat_seconds)
 
     @property
@@ -368,96 +356,58 @@ class PrometheusExporter:
                 client_auth_required=client_cafile is not None,
             )
         except Exception as exc:  # noqa: BLE001 - e.g. port taken: training goes on without the endpoint
-            self.collector.count_error()
-            logger.error(
-                "fsdp_mem_otel: cannot serve Prometheus metrics on %s:%d (training continues without "
-                "this endpoint): %r", self.addr, port, exc,
-            )
+            self.failures.failed("the /metrics endpoint", exc,
+                                 f"cannot serve Prometheus metrics on {self.addr}:{port} (no endpoint this run)")
             return
         self._server, self._server_thread = server, thread
         self.port = int(server.server_address[1])
         logger.info("fsdp_mem_otel: serving Prometheus metrics on %s:%d/metrics", self.addr, self.port)
 
     def _io_error(self, where: str, exc: BaseException) -> None:
-        self.collector.count_error()
-        if where not in self._logged:  # once per kind of failure
-            self._logged.add(where)
-            logger.error("fsdp_mem_otel: Prometheus exporter %s failed (training continues): %r", where, exc)
+        self.failures.failed(where, exc)
 
 
 class _SidecarWriter:
-    """Background thread writing the latest exposition to one file, atomically.
+    """Writes the latest exposition to one file, atomically, on a background worker.
 
     Requests coalesce: when steps come faster than writes, only the latest report is written.
-    A failed write is counted each time, logged once per outage, and retried on the next step.
+    Between steps the worker refreshes the file's modification time (heartbeat). A failed write
+    is counted each time, logged once per outage, and retried on the next step.
     """
 
-    def __init__(
-        self,
-        directory: str,
-        path: str,
-        render: Callable[[], bytes],
-        on_error: Callable[[], object],
-        heartbeat_seconds: float = 10.0,
-    ) -> None:
-        self._heartbeat = heartbeat_seconds
+    def __init__(self, directory: str, path: str, render: Callable[[], bytes], failures: FailureLog,
+                 heartbeat_seconds: float = 10.0) -> None:
         self.directory = directory
         self.path = path
         self._render = render
-        self._on_error = on_error
-        self._cond = threading.Condition()
-        self._requested = 0
-        self._done = 0  # last request handled (written or failed)
+        self._failures = failures
+        self._written = False
         self._ok = True
-        self._closing = False
-        self._failing = False
-        self._thread = threading.Thread(target=self._run, name="fsdp-mem-otel-sidecar", daemon=True)
-        self._thread.start()
+        self._worker: BackgroundWorker[int] = BackgroundWorker(
+            "sidecar", self._write, failures, max_items=1, coalesce=True, idle=self._touch,
+            idle_seconds=heartbeat_seconds)
 
     def request(self) -> None:
-        with self._cond:
-            self._requested += 1
-            self._cond.notify_all()
+        self._worker.submit(0)
 
     def flush(self, timeout: float) -> bool:
-        with self._cond:
-            target = self._requested
-            self._cond.wait_for(lambda: self._done >= target or not self._thread.is_alive(), timeout)
-            return self._done >= target and self._ok
+        return self._worker.flush(timeout) and self._ok
 
     def close(self, timeout: float) -> None:
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                woke = self._cond.wait_for(lambda: self._requested > self._done or self._closing, self._heartbeat)
-                if self._requested == self._done and self._closing:
-                    return
-                target = self._requested
-            if not woke:
-                self._touch()
-                continue
-            ok = self._write_once()
-            with self._cond:
-                self._done, self._ok = target, ok
-                self._cond.notify_all()
+        self._worker.shutdown(timeout)
 
     def _touch(self) -> None:
         # Heartbeat: a live rank whose training is stuck (e.g. in a collective with a dead peer)
         # keeps its file fresh, so the sidecar tells "process dead" (stale) from "no progress"
         # (last_step_timestamp ages). Nothing written yet, or writes failing: nothing to touch.
-        if self._done == 0 or not self._ok:
+        if not self._written or not self._ok:
             return
         try:
             os.utime(self.path)
-        except OSError:
-            self._on_error()
+        except OSError as exc:
+            self._failures.failed("heartbeat", exc, f"cannot touch {self.path}: {exc!r}")
 
-    def _write_once(self) -> bool:
+    def _write(self, _: int) -> None:
         tmp = None
         try:
             data = self._render()
@@ -477,15 +427,8 @@ class _SidecarWriter:
                     os.unlink(tmp)
                 except OSError:
                     pass
-            self._on_error()
-            if not self._failing:
-                self._failing = True
-                logger.error(
-                    "fsdp_mem_otel: cannot write %s (training continues; retrying every step, logged once "
-                    "until it recovers): %r", self.path, exc,
-                )
-            return False
-        if self._failing:
-            self._failing = False
-            logger.warning("fsdp_mem_otel: writing %s works again", self.path)
-        return True
+            self._ok = False
+            self._failures.failed("the sidecar file", exc, f"cannot write {self.path} (retrying every step): {exc!r}")
+            return
+        self._ok = self._written = True
+        self._failures.recovered("the sidecar file")

@@ -260,7 +260,7 @@ def test_shutdown_idempotent(tmp_path: Path) -> None:
     exp.export(make_report(2))  # ignored after shutdown
     assert exp.flush(1)
     assert [r.step for r in read_reports(tmp_path / "run.jsonl")] == [1]
-    assert exp._thread is not None and not exp._thread.is_alive()
+    assert exp._worker is not None and not exp._worker._thread.is_alive()
 
 
 def test_validation(tmp_path: Path) -> None:
