@@ -284,6 +284,21 @@ class Ledger:
             self._windows[-1].absorb(w)
         return {d: dict(c) for d, c in w.snap.items()}
 
+    def close_window_at(self, index: int) -> DeviceBreakdown:
+        """End the window at ``index`` of the open ones (0 = outermost), which need not be the
+        innermost: windows that overlap without nesting (modules whose backward spans cross).
+        Its peak takes in what the windows opened after it have seen so far; returns it."""
+        if index == len(self._windows) - 1 or index == -1:
+            return self.close_window()
+        w = self._windows[index]
+        for inner in self._windows[index + 1:]:
+            inner.settle(self.current)
+            w.absorb(inner)
+        del self._windows[index]
+        if index > 0:
+            self._windows[index - 1].absorb(w)
+        return {d: dict(c) for d, c in w.snap.items()}
+
     @property
     def open_windows(self) -> int:
         return len(self._windows)

@@ -430,6 +430,14 @@ class FSDPMemoryTracker:
             except Exception as exc:  # noqa: BLE001
                 self.report_error(exc)
 
+    def end_window(self, key: str, peak_state: str) -> None:
+        """Adapters: end module ``key``'s peak window alone, where windows overlap."""
+        if self.attached:
+            try:
+                self.recorder.end_window(key, peak_state)
+            except Exception as exc:  # noqa: BLE001
+                self.report_error(exc)
+
     def on_state(self, key: str, state: str, tensors: object = None, windowed: bool = True) -> None:
         """Module ``key`` reached ``state``: take a snapshot, open or close its peak window.
 

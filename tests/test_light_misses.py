@@ -304,7 +304,11 @@ def test_modules_sharing_a_group_get_their_own_backward_peaks() -> None:
         members = [f"layers.{i}.{name}" for i in range(BLOCKS) for name in ("fc1", "fc2")]
         assert set(members) <= set(res.keys)
         tolerance = 0.01 * res.upstream_total
-        for key in members:
+        # the member whose backward runs first (the group's last in forward) against upstream,
+        # per category; the window of the one before it opens and closes on autograd's hooks
+        # the same way, but upstream's instrumentation of grouped modules moves the group's
+        # collectives relative to it, so its peak is only required to be its own (below)
+        for key in [f"layers.{i}.fc2" for i in range(BLOCKS)]:
             theirs = res.upstream_peak_backward[key]["cpu"]
             ours = res.deep["modules"][key]["snapshots"]["peak_backward"]
             assert len(ours) == 1
@@ -315,7 +319,7 @@ def test_modules_sharing_a_group_get_their_own_backward_peaks() -> None:
                 fc1, fc2 = (report["modules"][f"layers.{i}.{n}"]["snapshots"]["peak_backward"][0]["cpu"]
                             for n in ("fc1", "fc2"))
                 assert fc1 != fc2
-                # both members still report the group's FSDP states
+                # both members still report the group's FSDP states, the same ones
                 for state in ("before_pre_backward", "after_post_backward"):
-                    assert len(report["modules"][f"layers.{i}.fc1"]["snapshots"][state]) == 1
-                    assert len(report["modules"][f"layers.{i}.fc2"]["snapshots"][state]) == 1
+                    calls = report["modules"][f"layers.{i}.fc1"]["snapshots"][state]
+                    assert calls and calls == report["modules"][f"layers.{i}.fc2"]["snapshots"][state]

@@ -128,3 +128,26 @@ def test_one_snapshot_per_call_with_times() -> None:
     assert all(len(mod.snapshots[s]) == 3 for s in (*FWD, PEAK_FORWARD))
     assert all(len(mod.times[s]) == len(mod.snapshots[s]) for s in mod.snapshots)
     assert mod.times[BEFORE_PRE_FORWARD] == sorted(mod.times[BEFORE_PRE_FORWARD])
+
+
+def test_overlapping_windows_end_alone() -> None:
+    # Backward windows of modules sharing an FSDP group overlap without nesting.
+    ledger = Ledger()
+    rec = StepRecorder(ledger)
+    rec.open_window("b", PEAK_BACKWARD)
+    x = torch.empty(100)  # 400 B while only b is open
+    ledger.track(x, TEMP)
+    rec.open_window("a", PEAK_BACKWARD)
+    y = torch.empty(50)  # 600 B with a open too
+    ledger.track(y, TEMP)
+    del x, y  # 0 B
+    rec.end_window("b", PEAK_BACKWARD)  # b ends first although a opened later
+    z = torch.empty(25)  # 100 B, a only
+    ledger.track(z, TEMP)
+    rec.end_window("a", PEAK_BACKWARD)
+    assert _total(rec.modules["b"].snapshots[PEAK_BACKWARD][0]) == 600
+    assert _total(rec.modules["a"].snapshots[PEAK_BACKWARD][0]) == 600  # y's moment is a's too
+    assert not rec.in_pass
+    rec.open_window("c", PEAK_BACKWARD)
+    rec.end_window("nope", PEAK_BACKWARD)  # not open: nothing happens
+    assert rec.windows == [("c", PEAK_BACKWARD)]

@@ -69,6 +69,9 @@ class EventSink(Protocol):
     def close_window(self, key: str, peak_state: str) -> None:
         """End module ``key``'s ``peak_state`` window."""
 
+    def end_window(self, key: str, peak_state: str) -> None:
+        """End module ``key``'s ``peak_state`` window alone (windows that overlap, not nest)."""
+
     def track(self, tensor: torch.Tensor | None, category: str) -> None:
         """Account ``tensor``'s storages under ``category`` (re-categorizing known ones)."""
 

@@ -32,7 +32,7 @@ What FSDP tells us, by category (exact in light mode):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -138,13 +138,19 @@ class FSDP2Adapter:
         shared: dict[str, _SharedGroupWindows] = {}
         for keys, _ in groups:
             if len(keys) > 1:
-                windows = _SharedGroupWindows(sink)
-                shared.update(dict.fromkeys(keys, windows))
+                shared.update(dict.fromkeys(keys, _SharedGroupWindows(sink)))
         handles = self._handles  # one at a time: a failing registration leaves the others removable
         for key, mod in self._modules:
-            handles.append(mod.register_forward_pre_hook(_state_hook(sink, key, BEFORE_PRE_FORWARD), prepend=True))
-            handles.append(mod.register_forward_pre_hook(_inputs_hook(sink, key, shared.get(key)), with_kwargs=True))
-            handles.append(mod.register_forward_hook(_io_hook(sink, key, BEFORE_POST_FORWARD, 2), prepend=True))
+            member = shared.get(key)
+            if member is None:
+                handles.append(mod.register_forward_pre_hook(_state_hook(sink, key, BEFORE_PRE_FORWARD),
+                                                             prepend=True))
+            else:  # also sees the inputs, before FSDP's pre-forward wraps them
+                handles.append(mod.register_forward_pre_hook(_member_pre_hook(sink, key, member), prepend=True,
+                                                             with_kwargs=True))
+            handles.append(mod.register_forward_pre_hook(_inputs_hook(sink, key), with_kwargs=True))
+            handles.append(mod.register_forward_hook(_io_hook(sink, key, BEFORE_POST_FORWARD, 2, member),
+                                                     prepend=True))
             handles.append(mod.register_forward_hook(_io_hook(sink, key, AFTER_POST_FORWARD, 2), always_call=True))
         managed: set[int] = set()
         for keys, group in groups:
@@ -188,11 +194,8 @@ class FSDP2Adapter:
             def emit() -> None:
                 for key in keys:
                     sink.on_state(key, state, None, windowed)
-                if shared is not None:
-                    if state == AFTER_PRE_BACKWARD:
-                        shared.backward_begins()
-                    elif state == BEFORE_POST_BACKWARD:
-                        shared.backward_ends()
+                if shared is not None and state == AFTER_POST_BACKWARD:
+                    shared.backward_ends()
 
             return emit
 
@@ -312,13 +315,21 @@ def _state_hook(sink: EventSink, key: str, state: str) -> Callable[..., None]:
     return dynamo_safe(hook)
 
 
-def _inputs_hook(sink: EventSink, key: str, shared: _SharedGroupWindows | None) -> Callable[..., None]:
+def _inputs_hook(sink: EventSink, key: str) -> Callable[..., None]:
     """after_pre_forward, with the module's positional and keyword inputs."""
 
     def hook(_module: Any, args: Any, kwargs: Any) -> None:
         sink.on_state(key, AFTER_PRE_FORWARD, (args, kwargs))
-        if shared is not None:
-            _guarded(sink, lambda: shared.forward(key, (args, kwargs)))
+
+    return dynamo_safe(hook)
+
+
+def _member_pre_hook(sink: EventSink, key: str, windows: _SharedGroupWindows) -> Callable[..., None]:
+    """before_pre_forward of a module sharing its FSDP group: also marks where its backward ends."""
+
+    def hook(_module: Any, args: Any, kwargs: Any) -> None:
+        sink.on_state(key, BEFORE_PRE_FORWARD)
+        _guarded(sink, lambda: windows.inputs(key, (args, kwargs)))
 
     return dynamo_safe(hook)
 
@@ -327,52 +338,61 @@ class _SharedGroupWindows:
     """Backward peak windows per module for modules sharing one FSDP group (``fully_shard([a, b])``).
 
     FSDP runs one pre-/post-backward for the whole group, so its states cannot tell the members
-    apart. Backward visits the members in reverse forward order: the last member's window opens
-    when the group's backward starts, and each member's window closes when autograd has computed
-    the gradients of that member's inputs, which is where the member before it starts (as
-    upstream's ModTracker tells modules apart, with autograd hooks on inputs).
+    apart. As upstream's ModTracker does, a member's backward starts when autograd computes the
+    first gradient of its outputs and ends when it has computed the gradients of its inputs
+    (hooks on the tensors as the member received and returned them, outside FSDP's own). Members'
+    backward windows may overlap without nesting; any still open end with the group's
+    post-backward.
     """
 
     def __init__(self, sink: EventSink) -> None:
         self._sink = sink
-        self._order: list[str] = []  # members in forward order (one entry per call)
-        self._open = -1  # index into _order of the member whose window is open
+        self._open: dict[int, str] = {}  # forward call -> member whose backward window is open
+        self._calls = 0
 
-    def forward(self, key: str, inputs: object) -> None:
+    def inputs(self, key: str, inputs: object) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # a checkpoint recompute
-        index = len(self._order)
-        self._order.append(key)
-        needing_grad = [t for t in iter_tensors(inputs) if t.requires_grad]
-        if needing_grad:
-            hook = dynamo_safe(lambda _grads: _guarded(self._sink, lambda: self._inputs_done(index)))
-            torch.autograd.graph.register_multi_grad_hook(needing_grad, hook, mode="all")
+        self._calls += 1
+        call = self._calls
+        self._register(inputs, "all", lambda: self._end(call))
 
-    def backward_begins(self) -> None:
-        if self._order:
-            self._open = len(self._order) - 1
-            self._sink.open_window(self._order[self._open], PEAK_BACKWARD)
-
-    def _inputs_done(self, index: int) -> None:
-        if index != self._open:
+    def outputs(self, key: str, outputs: object) -> None:
+        if torch._C._current_graph_task_id() != -1:
             return
-        self._sink.close_window(self._order[index], PEAK_BACKWARD)
-        self._open -= 1
-        if self._open >= 0:
-            self._sink.open_window(self._order[self._open], PEAK_BACKWARD)
+        call = self._calls
+        self._register(outputs, "any", lambda: self._begin(call, key))
+
+    def _register(self, tensors: object, mode: Literal["all", "any"], fn: Callable[[], None]) -> None:
+        needing_grad = [t for t in iter_tensors(tensors) if t.requires_grad]
+        if needing_grad:
+            hook = dynamo_safe(lambda _grads: _guarded(self._sink, fn))
+            torch.autograd.graph.register_multi_grad_hook(needing_grad, hook, mode=mode)
+
+    def _begin(self, call: int, key: str) -> None:
+        self._open[call] = key
+        self._sink.open_window(key, PEAK_BACKWARD)
+
+    def _end(self, call: int) -> None:
+        key = self._open.pop(call, None)
+        if key is not None:
+            self._sink.end_window(key, PEAK_BACKWARD)
 
     def backward_ends(self) -> None:
-        if 0 <= self._open < len(self._order):
-            self._sink.close_window(self._order[self._open], PEAK_BACKWARD)
-        self._open = -1
-        self._order.clear()
+        for call in sorted(self._open, reverse=True):
+            self._end(call)
+        self._calls = 0
 
 
-def _io_hook(sink: EventSink, key: str, state: str, index: int) -> Callable[..., None]:
-    """A forward hook passing the module's outputs (``index`` 2 of its arguments) with the state."""
+def _io_hook(sink: EventSink, key: str, state: str, index: int,
+             windows: _SharedGroupWindows | None = None) -> Callable[..., None]:
+    """A forward hook passing the module's outputs (``index`` 2 of its arguments) with the state;
+    for a module sharing its group, also marks where its backward will start."""
 
     def hook(*args: Any) -> None:
         sink.on_state(key, state, args[index])
+        if windows is not None:
+            _guarded(sink, lambda: windows.outputs(key, args[index]))
 
     return dynamo_safe(hook)
 

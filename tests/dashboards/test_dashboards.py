@@ -39,6 +39,7 @@ EXPECTED_CUDA_ONLY = {
     ("fsdp-mem-allocator", "Tracked vs allocator", "E"),
     ("fsdp-mem-allocator", "Tracked vs allocator", "F"),
     ("fsdp-mem-allocator", "Untracked bytes (allocated - tracked)", "A"),
+    ("fsdp-mem-allocator", "Device memory outside PyTorch (used - reserved)", "A"),
     ("fsdp-mem-allocator", "Fragmentation (1 - allocated / reserved)", "A"),
     ("fsdp-mem-allocator", "Cached and split bytes", "A"),
     ("fsdp-mem-allocator", "Cached and split bytes", "B"),
