@@ -57,7 +57,7 @@ GPU_ALLOCATOR = {
     "allocated_bytes": 5000.0, "reserved_bytes": 8192.0, "active_bytes": 5100.0, "allocated_peak_bytes": 9000.0,
     "reserved_peak_bytes": 12288.0, "active_peak_bytes": 9100.0, "inactive_split_bytes": 512.0,
     "device_total_bytes": 80.0 * 2**30, "num_alloc_retries": 2.0, "num_ooms": 1.0, "fragmentation_ratio": 0.39,
-    "untracked_bytes": 840.0,
+    "untracked_bytes": 840.0, "outside_pytorch_bytes": 600.0 * 2**20,
 }
 
 
