@@ -1,4 +1,11 @@
-"""Tracker configuration: one dataclass, validated on construction, readable from the environment."""
+"""Configuration: one frozen dataclass per component, each validated once, on construction.
+
+``TrackerConfig`` (how to measure) and ``ExportConfig`` (where reports go) are what users set, in
+code or through the environment (``from_env``; every variable is listed in ``env.py``).
+``ExportConfig`` composes the exporters' own configs, ``PrometheusConfig``, ``JSONLConfig`` and
+``OTelConfig``, which the exporters also build from their keyword arguments: whichever way an
+exporter is configured, one dataclass checks it. Standard library only.
+"""
 
 from __future__ import annotations
 
@@ -7,34 +14,37 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TypeVar
 
+from fsdp_mem_otel import env
+from fsdp_mem_otel.checks import (
+    check_bool,
+    check_int,
+    check_optional_int,
+    check_seconds,
+    check_text,
+    check_tls,
+)
 from fsdp_mem_otel.model import MODES
 
-#: Environment variables read by TrackerConfig.from_env(); each maps to the field of that name.
-ENV_MODE = "FSDP_MEM_OTEL_MODE"  # "light" (default) or "deep"
-ENV_DEEP_EVERY = "FSDP_MEM_OTEL_DEEP_EVERY"  # run every Nth step deep; 0 = never
-ENV_MAX_ERRORS = "FSDP_MEM_OTEL_MAX_ERRORS"  # disable the tracker after this many internal errors
-ENV_ENABLED = "FSDP_MEM_OTEL_ENABLED"  # "0"/"false" turns the tracker into a no-op
-ENV_RESET_PEAKS = "FSDP_MEM_OTEL_RESET_PEAKS"  # "1": reset the CUDA allocator's peak counters each step
-ENV_ACTIVATIONS = "FSDP_MEM_OTEL_ACTIVATIONS"  # "0": light mode does not account saved activations
-ENV_DEEP_WHEN_COMPILED = "FSDP_MEM_OTEL_DEEP_WHEN_COMPILED"  # "skip" (default) or "eager"
-
+#: TrackerConfig's environment: variable -> field
 _ENV_FIELDS = {
-    ENV_MODE: "mode",
-    ENV_DEEP_EVERY: "deep_every",
-    ENV_MAX_ERRORS: "max_errors",
-    ENV_ENABLED: "enabled",
-    ENV_RESET_PEAKS: "reset_peaks",
-    ENV_ACTIVATIONS: "activations",
-    ENV_DEEP_WHEN_COMPILED: "deep_when_compiled",
+    env.FSDP_MEM_OTEL_MODE: "mode",
+    env.FSDP_MEM_OTEL_DEEP_EVERY: "deep_every",
+    env.FSDP_MEM_OTEL_MAX_ERRORS: "max_errors",
+    env.FSDP_MEM_OTEL_ENABLED: "enabled",
+    env.FSDP_MEM_OTEL_RESET_PEAKS: "reset_peaks",
+    env.FSDP_MEM_OTEL_ACTIVATIONS: "activations",
+    env.FSDP_MEM_OTEL_DEEP_WHEN_COMPILED: "deep_when_compiled",
 }
 #: What a deep step does on a model with torch.compile'd regions.
 DEEP_WHEN_COMPILED = ("skip", "eager")
+#: The per-rank Prometheus endpoint's first port (a rank serves DEFAULT_BASE_PORT + LOCAL_RANK).
+DEFAULT_BASE_PORT = 9400
 _C = TypeVar("_C")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrackerConfig:
     """How the tracker measures.
 
@@ -71,15 +81,10 @@ class TrackerConfig:
             raise ValueError(
                 f"deep_when_compiled must be one of {', '.join(DEEP_WHEN_COMPILED)}; got {self.deep_when_compiled!r}"
             )
-        for name in ("deep_every", "max_errors"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int >= 0; got {type(value).__name__} {value!r}")
-            if value < 0:
-                raise ValueError(f"{name} must be an int >= 0; got {value}")
+        check_int("deep_every", self.deep_every)
+        check_int("max_errors", self.max_errors)
         for name in ("enabled", "reset_peaks", "activations"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool; got {type(getattr(self, name)).__name__}")
+            check_bool(name, getattr(self, name))
 
     def is_deep(self, step: int) -> bool:
         """Whether 1-based step ``step`` runs in deep mode."""
@@ -93,24 +98,108 @@ class TrackerConfig:
         return _from_env(cls, _ENV_FIELDS, env, overrides)
 
 
-#: Exporter environment variables read by ExportConfig.from_env(); each maps to the field of that name.
-#: OpenTelemetry's own OTEL_* variables (endpoint, headers, service name, resource attributes) are
-#: read by the OpenTelemetry SDK: spans are on when OTEL_EXPORTER_OTLP_ENDPOINT is set.
+#: ExportConfig's environment: variable -> field. OpenTelemetry's own OTEL_* variables (endpoint,
+#: headers, service name, resource attributes) are read by the OpenTelemetry SDK: spans are on when
+#: OTEL_EXPORTER_OTLP_ENDPOINT is set.
 EXPORT_ENV_FIELDS = {
-    "FSDP_MEM_OTEL_PROMETHEUS": "prometheus",  # per-rank /metrics endpoint on/off (default on)
-    "FSDP_MEM_OTEL_PROMETHEUS_PORT": "prometheus_port",  # base port; rank serves base + LOCAL_RANK
-    "FSDP_MEM_OTEL_PROMETHEUS_ADDR": "prometheus_addr",  # bind address (default 0.0.0.0)
-    "FSDP_MEM_OTEL_TLS_CERTFILE": "tls_certfile",  # serve HTTPS with this certificate (PEM)
-    "FSDP_MEM_OTEL_TLS_KEYFILE": "tls_keyfile",  # its private key (PEM)
-    "FSDP_MEM_OTEL_TLS_CLIENT_CAFILE": "tls_client_cafile",  # require client certs from this CA (mTLS)
-    "FSDP_MEM_OTEL_DETAIL": "detail",  # export module x state x category bytes (many series)
-    "FSDP_MEM_OTEL_SIDECAR_DIR": "sidecar_dir",  # write rank-<rank>.prom here for `fsdp-mem-otel serve`
-    "FSDP_MEM_OTEL_JSONL": "jsonl",  # append StepReports as JSON lines; "{rank}" is filled in
-    "FSDP_MEM_OTEL_SPANS_EVERY": "spans_every",  # export spans for step 1 and every Nth step
+    env.FSDP_MEM_OTEL_PROMETHEUS: "prometheus",
+    env.FSDP_MEM_OTEL_PROMETHEUS_PORT: "prometheus_port",
+    env.FSDP_MEM_OTEL_PROMETHEUS_ADDR: "prometheus_addr",
+    env.FSDP_MEM_OTEL_TLS_CERTFILE: "tls_certfile",
+    env.FSDP_MEM_OTEL_TLS_KEYFILE: "tls_keyfile",
+    env.FSDP_MEM_OTEL_TLS_CLIENT_CAFILE: "tls_client_cafile",
+    env.FSDP_MEM_OTEL_DETAIL: "detail",
+    env.FSDP_MEM_OTEL_SIDECAR_DIR: "sidecar_dir",
+    env.FSDP_MEM_OTEL_JSONL: "jsonl",
+    env.FSDP_MEM_OTEL_SPANS_EVERY: "spans_every",
 }
 
 
-@dataclass
+@dataclass(frozen=True)
+class PrometheusConfig:
+    """The per-rank endpoint and sidecar file (``PrometheusExporter``).
+
+    Attributes:
+        http: serve ``/metrics`` over HTTP(S); False for sidecar-only export.
+        port: serve on exactly this port (0: any free one); None: ``base_port + LOCAL_RANK``.
+        base_port: first port of a node's ranks.
+        addr: bind address.
+        certfile, keyfile: HTTPS with this certificate and key (both or neither).
+        client_cafile: with them, require client certificates signed by this CA (mutual TLS).
+        detail: also export module x state x device x category bytes (many series; opt-in).
+        sidecar_dir: also write each step's exposition to ``<sidecar_dir>/rank-<rank>.prom``.
+        heartbeat_seconds: refresh the sidecar file's time this often between steps.
+    """
+
+    http: bool = True
+    port: int | None = None
+    base_port: int = DEFAULT_BASE_PORT
+    addr: str = "0.0.0.0"
+    certfile: str | None = None
+    keyfile: str | None = None
+    client_cafile: str | None = None
+    detail: bool = False
+    sidecar_dir: str | None = None
+    heartbeat_seconds: float = 10.0
+
+    def __post_init__(self) -> None:
+        check_bool("http", self.http)
+        check_optional_int("port", self.port, 0, 65535)
+        check_int("base_port", self.base_port, 1, 65535)
+        check_text("addr", self.addr)
+        check_tls(self.certfile, self.keyfile, self.client_cafile, must_exist=False)
+        check_bool("detail", self.detail)
+        if self.sidecar_dir is not None and not isinstance(self.sidecar_dir, str | os.PathLike):
+            raise TypeError(f"sidecar_dir must be a directory path or None; got {type(self.sidecar_dir).__name__}")
+        check_seconds("heartbeat_seconds", self.heartbeat_seconds)
+
+
+@dataclass(frozen=True)
+class JSONLConfig:
+    """The JSON-lines file (``JSONLExporter``); see its docstring for each field."""
+
+    path: str
+    max_bytes: int = 256 * 1024 * 1024
+    backup_count: int = 5
+    max_queue: int = 1000
+    max_queue_bytes: int = 64 * 1024 * 1024
+    index: bool = True
+
+    def __post_init__(self) -> None:
+        from fsdp_mem_otel.jsonl_format import check_path
+
+        check_path("path", self.path)
+        check_int("max_bytes", self.max_bytes)
+        check_int("backup_count", self.backup_count)
+        check_int("max_queue", self.max_queue, 1)
+        check_int("max_queue_bytes", self.max_queue_bytes, 1)
+        check_bool("index", self.index)
+
+
+@dataclass(frozen=True)
+class OTelConfig:
+    """OpenTelemetry spans (``OTelSpanExporter``); see its docstring for each field."""
+
+    spans_every: int = 1
+    service_name: str | None = None
+    export_timeout: float | None = None
+    shutdown_timeout: float | None = None
+    max_queue_size: int | None = None
+    schedule_delay_millis: float | None = None
+    max_export_batch_size: int | None = None
+    max_pending_steps: int = 64
+
+    def __post_init__(self) -> None:
+        check_int("spans_every", self.spans_every, 1)
+        check_text("service_name", self.service_name, optional=True)
+        check_seconds("export_timeout", self.export_timeout, optional=True)
+        check_seconds("shutdown_timeout", self.shutdown_timeout, optional=True)
+        check_optional_int("max_queue_size", self.max_queue_size, 1)
+        check_optional_int("max_export_batch_size", self.max_export_batch_size, 1)
+        check_int("max_pending_steps", self.max_pending_steps, 1)
+
+
+@dataclass(frozen=True)
 class ExportConfig:
     """Where StepReports go (see EXPORT_ENV_FIELDS for the environment names).
 
@@ -127,7 +216,7 @@ class ExportConfig:
     """
 
     prometheus: bool = True
-    prometheus_port: int = 9400
+    prometheus_port: int = DEFAULT_BASE_PORT
     prometheus_addr: str = "0.0.0.0"
     tls_certfile: str | None = None
     tls_keyfile: str | None = None
@@ -138,25 +227,33 @@ class ExportConfig:
     spans_every: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("prometheus", "detail"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool; got {type(getattr(self, name)).__name__}")
-        port = self.prometheus_port
-        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-            raise ValueError(f"prometheus_port must be an integer in 1..65535; got {port!r}")
-        spans = self.spans_every
-        if isinstance(spans, bool) or not isinstance(spans, int) or spans < 1:
-            raise ValueError(f"spans_every must be an integer >= 1; got {spans!r}")
-        if not isinstance(self.prometheus_addr, str) or not self.prometheus_addr:
-            raise ValueError(f"prometheus_addr must be a non-empty address; got {self.prometheus_addr!r}")
-        if (self.tls_certfile is None) != (self.tls_keyfile is None):
-            raise ValueError("tls_certfile and tls_keyfile go together: set both for TLS, or neither")
-        if self.tls_client_cafile is not None and self.tls_certfile is None:
-            raise ValueError("tls_client_cafile (mutual TLS) needs tls_certfile and tls_keyfile")
-        for name in ("tls_certfile", "tls_keyfile", "tls_client_cafile"):
-            path = getattr(self, name)
-            if path is not None and not os.path.isfile(path):
-                raise ValueError(f"{name}: no such file {path!r}")
+        # checked under the names users set (the component configs below check the rest)
+        check_bool("prometheus", self.prometheus)
+        check_int("prometheus_port", self.prometheus_port, 1, 65535)
+        check_text("prometheus_addr", self.prometheus_addr)
+        check_tls(self.tls_certfile, self.tls_keyfile, self.tls_client_cafile, prefix="tls_")
+        check_int("spans_every", self.spans_every, 1)
+        self.prometheus_config()
+        if self.jsonl is not None:
+            self.jsonl_config(0)
+
+    def prometheus_config(self) -> PrometheusConfig:
+        """The Prometheus exporter's part (HTTP when ``prometheus``, sidecar when ``sidecar_dir``)."""
+        return PrometheusConfig(
+            http=self.prometheus, base_port=self.prometheus_port, addr=self.prometheus_addr,
+            certfile=self.tls_certfile, keyfile=self.tls_keyfile, client_cafile=self.tls_client_cafile,
+            detail=self.detail, sidecar_dir=self.sidecar_dir,
+        )
+
+    def jsonl_config(self, rank: int) -> JSONLConfig:
+        """The JSON-lines exporter's part, for ``rank`` (``{rank}`` in the path filled in)."""
+        if self.jsonl is None:
+            raise ValueError("jsonl is not set: no JSON-lines file configured")
+        return JSONLConfig(path=self.jsonl.replace("{rank}", str(rank)))
+
+    def otel_config(self) -> OTelConfig:
+        """The span exporter's part (spans are on when the OTEL_* environment sets an endpoint)."""
+        return OTelConfig(spans_every=self.spans_every)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> ExportConfig:

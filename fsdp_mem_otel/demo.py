@@ -222,9 +222,10 @@ def _demo_exporters(args: Any, rank: int, world: int) -> list[Any]:
             paths = ", ".join(jsonl_path(args.out, r) for r in range(world))
             print(f"[rank 0] step reports as JSON lines: {paths}", flush=True)
     if args.port is not None or args.sidecar_dir:
+        from fsdp_mem_otel.config import DEFAULT_BASE_PORT
         from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
 
-        exporters.append(PrometheusExporter(base_port=args.port or 9400, addr="127.0.0.1",
+        exporters.append(PrometheusExporter(base_port=args.port or DEFAULT_BASE_PORT, addr="127.0.0.1",
                                             http=args.port is not None, sidecar_dir=args.sidecar_dir))
         if rank == 0:
             if args.port is not None:
@@ -232,7 +233,7 @@ def _demo_exporters(args: Any, rank: int, world: int) -> list[Any]:
                 print(f"[rank 0] Prometheus per rank: {urls}", flush=True)
             if args.sidecar_dir:
                 print(f"[rank 0] sidecar files in {args.sidecar_dir}; serve them with: "
-                      f"fsdp-mem-otel serve --dir {args.sidecar_dir} --port 9400", flush=True)
+                      f"fsdp-mem-otel serve --dir {args.sidecar_dir} --port {DEFAULT_BASE_PORT}", flush=True)
     return exporters
 
 

@@ -13,7 +13,9 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-ENV_JOB = "FSDP_MEM_OTEL_JOB"
+from fsdp_mem_otel import env
+
+ENV_JOB = env.FSDP_MEM_OTEL_JOB
 
 
 @dataclass(frozen=True)
@@ -31,28 +33,28 @@ class Identity:
     pod_uid: str = ""
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, job: str | None = None) -> Identity:
+    def from_env(cls, environ: Mapping[str, str] | None = None, job: str | None = None) -> Identity:
         """Identity from torchrun / Kubernetes variables; ``job`` (from code) wins over the env.
 
         Job falls back to FSDP_MEM_OTEL_JOB, then TORCHELASTIC_RUN_ID, then the pod name without
         its replica suffix, then "fsdp".
         """
-        env = os.environ if env is None else env
-        pod = env.get("POD_NAME", "")
-        job = job or env.get(ENV_JOB) or env.get("TORCHELASTIC_RUN_ID") or _job_from_pod(pod) or "fsdp"
+        environ = os.environ if environ is None else environ
+        pod = environ.get(env.POD_NAME, "")
+        job = job or environ.get(ENV_JOB) or environ.get(env.TORCHELASTIC_RUN_ID) or _job_from_pod(pod) or "fsdp"
         if job == "none":  # torchrun's default run id carries no information
             job = _job_from_pod(pod) or "fsdp"
-        rank = _int(env, "RANK", 0)
+        rank = _int(environ, env.RANK, 0)
         return cls(
             job=job,
             rank=rank,
-            local_rank=_int(env, "LOCAL_RANK", rank),
-            world_size=_int(env, "WORLD_SIZE", 1),
+            local_rank=_int(environ, env.LOCAL_RANK, rank),
+            world_size=_int(environ, env.WORLD_SIZE, 1),
             host=socket.gethostname(),
             pod=pod,
-            namespace=env.get("POD_NAMESPACE", ""),
-            node=env.get("NODE_NAME", ""),
-            pod_uid=env.get("POD_UID", ""),
+            namespace=environ.get(env.POD_NAMESPACE, ""),
+            node=environ.get(env.NODE_NAME, ""),
+            pod_uid=environ.get(env.POD_UID, ""),
         )
 
     def labels(self) -> dict[str, str]:

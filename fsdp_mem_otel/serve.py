@@ -27,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 
 from fsdp_mem_otel import catalog as cat
+from fsdp_mem_otel.checks import check_tls
 from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.rank_files import rank_of
 
@@ -239,10 +240,7 @@ def make_server(directory: str, port: int, addr: str = "0.0.0.0", *, certfile: s
                 keyfile: str | None = None, client_cafile: str | None = None,
                 stale_seconds: float = DEFAULT_STALE_SECONDS) -> SidecarServer:
     """A bound (not yet serving) sidecar server; call ``start()`` or ``serve_forever()``."""
-    if (certfile is None) != (keyfile is None):
-        raise ValueError("certfile and keyfile go together: pass both for TLS, or neither")
-    if client_cafile is not None and certfile is None:
-        raise ValueError("client_cafile (mutual TLS) needs certfile and keyfile")
+    check_tls(certfile, keyfile, client_cafile, must_exist=False)
     ctx = ssl_context(certfile, keyfile, client_cafile) if certfile is not None and keyfile is not None else None
     return SidecarServer(SidecarCollector(directory, stale_seconds), addr, port, ctx)
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_mem_otel import env
 from fsdp_mem_otel.activations import SavedTensorAccounting
 from fsdp_mem_otel.adapters import make_adapter
 from fsdp_mem_otel.adapters.base import iter_tensors
@@ -109,7 +110,7 @@ class FSDPMemoryTracker:
             _check_optimizer_covers_model(optimizer, model)
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self.local_rank = int(os.environ.get(env.LOCAL_RANK, self.rank))
 
         #: the tracker's own failures and its exporters' (each kind logged once)
         self.failures = FailureLog(logger, "tracker")

@@ -34,6 +34,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from fsdp_mem_otel import env
 from fsdp_mem_otel.failures import FailureLog
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ T = TypeVar("T")
 #: seconds each worker gets to finish at interpreter exit or on SIGTERM
 EXIT_DEADLINE_SECONDS = 3.0
 #: "0" / "false": do not install the SIGTERM handler that flushes the workers
-ENV_SIGTERM = "FSDP_MEM_OTEL_SIGTERM"
+ENV_SIGTERM = env.FSDP_MEM_OTEL_SIGTERM
 
 _NOTHING: Any = object()
 _LIVE: weakref.WeakSet[BackgroundWorker[Any]] = weakref.WeakSet()

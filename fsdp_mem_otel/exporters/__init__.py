@@ -37,20 +37,16 @@ def build_exporters(config: ExportConfig | None = None, identity: Identity | Non
     if config.prometheus or config.sidecar_dir:
         from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
 
-        out.append(PrometheusExporter(
-            identity, base_port=config.prometheus_port, addr=config.prometheus_addr,
-            certfile=config.tls_certfile, keyfile=config.tls_keyfile, client_cafile=config.tls_client_cafile,
-            detail=config.detail, sidecar_dir=config.sidecar_dir, http=config.prometheus,
-        ))
+        out.append(PrometheusExporter(identity, config=config.prometheus_config()))
     if config.jsonl:
         from fsdp_mem_otel.exporters.jsonl import JSONLExporter
 
-        out.append(JSONLExporter(config.jsonl.replace("{rank}", str(identity.rank))))
+        out.append(JSONLExporter(config=config.jsonl_config(identity.rank)))
     from fsdp_mem_otel.exporters.otel import default_span_exporter
 
     span_exporter = default_span_exporter()
     if span_exporter is not None:
         from fsdp_mem_otel.exporters.otel import OTelSpanExporter
 
-        out.append(OTelSpanExporter(identity, span_exporter=span_exporter, spans_every=config.spans_every))
+        out.append(OTelSpanExporter(identity, span_exporter=span_exporter, config=config.otel_config()))
     return out

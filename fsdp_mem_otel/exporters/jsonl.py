@@ -37,6 +37,7 @@ import logging
 import os
 from typing import Any
 
+from fsdp_mem_otel.config import JSONLConfig
 from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.jsonl_format import (
     INDEX_OMITS,
@@ -61,11 +62,12 @@ __all__ = ["INDEX_OMITS", "INDEX_SUFFIX", "RANK_PLACEHOLDER", "JSONLExporter", "
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BYTES = 256 * 1024 * 1024
-DEFAULT_BACKUP_COUNT = 5
-DEFAULT_MAX_QUEUE = 1000
+_DEFAULTS = JSONLConfig(path="-")
+DEFAULT_MAX_BYTES = _DEFAULTS.max_bytes
+DEFAULT_BACKUP_COUNT = _DEFAULTS.backup_count
+DEFAULT_MAX_QUEUE = _DEFAULTS.max_queue
 #: bytes of reports waiting for the writer at most (estimated in memory, see ``report_bytes``)
-DEFAULT_MAX_QUEUE_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_QUEUE_BYTES = _DEFAULTS.max_queue_bytes
 #: a write stuck this long (hung NFS, a FIFO nobody reads) is logged once
 DEFAULT_STALL_SECONDS = 30.0
 
@@ -75,14 +77,6 @@ def report_bytes(report: StepReport) -> int:
     integers per device each, about 700 bytes measured), plus the step-level fields."""
     snapshots = sum(len(calls) for m in report.modules.values() for calls in m.snapshots.values())
     return 2048 + 700 * snapshots * max(1, len(report.peak))
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= {minimum}; got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}; got {value}")
-    return value
 
 
 class JSONLExporter:
@@ -98,6 +92,7 @@ class JSONLExporter:
             at most; beyond that the oldest waiting are dropped and counted (``dropped_total``
             and ``errors_total``).
         index: also write the side index ``<file>.index`` (see the module doc).
+        config: all of the above as one ``JSONLConfig`` (then ``path`` and the keywords are not used).
 
     I/O failures never raise into training: each failed line is counted in ``errors_total``,
     the first of an outage is logged (and the recovery), and the next report retries.
@@ -107,22 +102,24 @@ class JSONLExporter:
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] = "",
         *,
         max_bytes: int = DEFAULT_MAX_BYTES,
         backup_count: int = DEFAULT_BACKUP_COUNT,
         max_queue: int = DEFAULT_MAX_QUEUE,
         max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
         index: bool = True,
+        config: JSONLConfig | None = None,
     ) -> None:
-        self.path_template = check_path("path", path)
-        self.max_bytes = _check_int("max_bytes", max_bytes, 0)
-        self.backup_count = _check_int("backup_count", backup_count, 0)
-        self.max_queue = _check_int("max_queue", max_queue, 1)
-        self.max_queue_bytes = _check_int("max_queue_bytes", max_queue_bytes, 1)
-        if not isinstance(index, bool):
-            raise TypeError(f"index must be a bool; got {type(index).__name__}")
-        self.index = index
+        if config is None:
+            config = JSONLConfig(path=check_path("path", path), max_bytes=max_bytes, backup_count=backup_count,
+                                 max_queue=max_queue, max_queue_bytes=max_queue_bytes, index=index)
+        elif not isinstance(config, JSONLConfig):
+            raise TypeError(f"config must be a JSONLConfig or None; got {type(config).__name__}")
+        self.config = config
+        self.path_template = config.path
+        self.max_bytes, self.backup_count = config.max_bytes, config.backup_count
+        self.max_queue, self.max_queue_bytes, self.index = config.max_queue, config.max_queue_bytes, config.index
         self.path: str | None = None if RANK_PLACEHOLDER in self.path_template else self.path_template
         self.lines_total = 0
         self.failures = FailureLog(logger, "JSONL exporter")

@@ -102,7 +102,8 @@ from opentelemetry.sdk.trace.export import (
 )
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from fsdp_mem_otel import __version__
+from fsdp_mem_otel import __version__, env
+from fsdp_mem_otel.config import OTelConfig
 from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.identity import Identity
 from fsdp_mem_otel.model import (
@@ -180,13 +181,13 @@ PASS_FORWARD = "forward"
 PASS_BACKWARD = "backward"
 
 # -- environment ------------------------------------------------------------------------------
-ENV_CONSOLE = "FSDP_MEM_OTEL_OTEL_CONSOLE"  # "1": print spans to stdout when no OTLP endpoint is set
-ENV_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"  # base URL; spans go to <url>/v1/traces
-ENV_OTLP_TRACES_ENDPOINT = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"  # full URL of the traces endpoint
-ENV_OTLP_TIMEOUT = "OTEL_EXPORTER_OTLP_TIMEOUT"  # seconds per export request (SDK reads it)
-ENV_OTLP_TRACES_TIMEOUT = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"  # same, traces only; wins
-ENV_SDK_DISABLED = "OTEL_SDK_DISABLED"  # "true": no spans at all
-ENV_SERVICE_NAME = "OTEL_SERVICE_NAME"  # read by the SDK's Resource.create
+ENV_CONSOLE = env.FSDP_MEM_OTEL_OTEL_CONSOLE
+ENV_OTLP_ENDPOINT = env.OTEL_EXPORTER_OTLP_ENDPOINT
+ENV_OTLP_TRACES_ENDPOINT = env.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+ENV_OTLP_TIMEOUT = env.OTEL_EXPORTER_OTLP_TIMEOUT
+ENV_OTLP_TRACES_TIMEOUT = env.OTEL_EXPORTER_OTLP_TRACES_TIMEOUT
+ENV_SDK_DISABLED = env.OTEL_SDK_DISABLED
+ENV_SERVICE_NAME = env.OTEL_SERVICE_NAME
 
 DEFAULT_SERVICE_NAME = "fsdp-mem-otel"
 #: seconds one OTLP export request may take (the SDK's default is 10) unless the env sets one
@@ -345,6 +346,7 @@ class OTelSpanExporter:
         schedule_delay_millis: float | None = None,
         max_export_batch_size: int | None = None,
         max_pending_steps: int = 64,
+        config: OTelConfig | None = None,
     ) -> None:
         if identity is not None and not isinstance(identity, Identity):
             raise TypeError(
@@ -354,17 +356,19 @@ class OTelSpanExporter:
             raise TypeError(
                 f"span_exporter must be an OpenTelemetry SpanExporter or None; got {type(span_exporter).__name__}"
             )
-        if isinstance(spans_every, bool) or not isinstance(spans_every, int):
-            raise TypeError(f"spans_every must be an int >= 1; got {type(spans_every).__name__} {spans_every!r}")
-        if spans_every < 1:
-            raise ValueError(f"spans_every must be an int >= 1; got {spans_every}")
-        if service_name is not None and (not isinstance(service_name, str) or not service_name):
-            raise ValueError(f"service_name must be a non-empty string or None; got {service_name!r}")
-        if isinstance(max_pending_steps, bool) or not isinstance(max_pending_steps, int) or max_pending_steps < 1:
-            raise ValueError(f"max_pending_steps must be an int >= 1; got {max_pending_steps!r}")
-        for name, value in (("export_timeout", export_timeout), ("shutdown_timeout", shutdown_timeout)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-                raise ValueError(f"{name} must be a number of seconds > 0 or None; got {value!r}")
+        if config is None:
+            config = OTelConfig(
+                spans_every=spans_every, service_name=service_name, export_timeout=export_timeout,
+                shutdown_timeout=shutdown_timeout, max_queue_size=max_queue_size,
+                schedule_delay_millis=schedule_delay_millis, max_export_batch_size=max_export_batch_size,
+                max_pending_steps=max_pending_steps)
+        elif not isinstance(config, OTelConfig):
+            raise TypeError(f"config must be an OTelConfig or None; got {type(config).__name__}")
+        self.config = config
+        spans_every, service_name, export_timeout = config.spans_every, config.service_name, config.export_timeout
+        shutdown_timeout, max_pending_steps = config.shutdown_timeout, config.max_pending_steps
+        max_queue_size, max_export_batch_size = config.max_queue_size, config.max_export_batch_size
+        schedule_delay_millis = config.schedule_delay_millis
         self.identity = identity if identity is not None else Identity.from_env()
         self.spans_every = spans_every
         self.resource = build_resource(self.identity, service_name)

@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from fsdp_mem_otel import __version__
 from fsdp_mem_otel import catalog as cat
+from fsdp_mem_otel.config import DEFAULT_BASE_PORT, PrometheusConfig
 from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.identity import Identity
 from fsdp_mem_otel.model import (
@@ -48,7 +49,6 @@ from fsdp_mem_otel.worker import BackgroundWorker
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BASE_PORT = 9400
 _FILE_MODE = 0o644
 _DIR_MODE = 0o700
 #: rank files in a sidecar directory; anything else there (temp files included) is ignored
@@ -234,6 +234,7 @@ class PrometheusExporter:
         registry: register the collector here (default: a private ``CollectorRegistry``) and
             serve that registry.
         http: serve ``/metrics`` over HTTP (default True); False for sidecar-only export.
+        config: all of the above as one ``PrometheusConfig`` (then the keywords are not used).
         heartbeat_seconds: between steps, refresh the sidecar file's modification time this often,
             so the sidecar marks a rank stale only when its process is gone (a rank stuck in a
             collective stays fresh; its last-step timestamp shows it is stuck).
@@ -258,30 +259,27 @@ class PrometheusExporter:
         registry: CollectorRegistry | None = None,
         http: bool = True,
         heartbeat_seconds: float = 10.0,
+        config: PrometheusConfig | None = None,
     ) -> None:
         if identity is None:
             identity = Identity.from_env()
-        if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535):
-            raise ValueError(f"port must be an integer in 0..65535 or None; got {port!r}")
-        if not isinstance(base_port, int) or isinstance(base_port, bool) or not 1 <= base_port <= 65535:
-            raise ValueError(f"base_port must be an integer in 1..65535; got {base_port!r}")
-        if not isinstance(addr, str) or not addr:
-            raise ValueError(f"addr must be a non-empty host address string; got {addr!r}")
-        if (certfile is None) != (keyfile is None):
-            raise ValueError("certfile and keyfile go together: pass both for TLS, or neither")
-        if client_cafile is not None and certfile is None:
-            raise ValueError("client_cafile (mutual TLS) needs certfile and keyfile")
+        if config is None:
+            config = PrometheusConfig(
+                http=http, port=port, base_port=base_port, addr=addr, certfile=certfile, keyfile=keyfile,
+                client_cafile=client_cafile, detail=detail,
+                sidecar_dir=None if sidecar_dir is None else os.fspath(sidecar_dir),
+                heartbeat_seconds=heartbeat_seconds)
+        elif not isinstance(config, PrometheusConfig):
+            raise TypeError(f"config must be a PrometheusConfig or None; got {type(config).__name__}")
         if registry is not None and not isinstance(registry, CollectorRegistry):
             raise TypeError(f"registry must be a prometheus_client CollectorRegistry; got {type(registry).__name__}")
-        if isinstance(heartbeat_seconds, bool) or not isinstance(heartbeat_seconds, (int, float)) \
-                or not heartbeat_seconds > 0:
-            raise ValueError(f"heartbeat_seconds must be a number > 0; got {heartbeat_seconds!r}")
+        self.config = config
         self.identity = identity
         self.failures = FailureLog(logger, "Prometheus exporter")
-        self.collector = StepReportCollector(identity, detail=detail, failures=self.failures)
+        self.collector = StepReportCollector(identity, detail=config.detail, failures=self.failures)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.registry.register(self.collector)
-        self.addr = addr
+        self.addr = config.addr
         self.port: int | None = None
         self.sidecar_path: str | None = None
         self._lock = threading.Lock()
@@ -290,14 +288,14 @@ class PrometheusExporter:
         self._server_thread: threading.Thread | None = None
         self._writer: _SidecarWriter | None = None
 
-        if http:
-            want = port if port is not None else base_port + identity.local_rank
-            self._start_http(want, certfile, keyfile, client_cafile)
-        if sidecar_dir is not None:
-            directory = os.fspath(sidecar_dir)
+        if config.http:
+            want = config.port if config.port is not None else config.base_port + identity.local_rank
+            self._start_http(want, config.certfile, config.keyfile, config.client_cafile)
+        if config.sidecar_dir is not None:
+            directory = config.sidecar_dir
             self.sidecar_path = os.path.join(directory, rank_file_name(identity.rank))
             self._writer = _SidecarWriter(directory, self.sidecar_path, self._render, self.failures,
-                                          heartbeat_seconds)
+                                          config.heartbeat_seconds)
 
     @property
     def errors_total(self) -> int:
