@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from fsdp_mem_otel.exporters.jsonl import index_line, index_path  # noqa: E402
-from fsdp_mem_otel.model import CATEGORIES, STATES, TOTAL, ModuleReport, StepAbort, StepReport  # noqa: E402
+from fsdp_mem_otel.schema import CATEGORIES, STATES, TOTAL, ModuleReport, StepAbort, StepReport  # noqa: E402
 
 STATE_LIST = [s for s in STATES if not s.endswith("_ac")]  # the 10 states a plain FSDP module reaches
 GIB = 1 << 30

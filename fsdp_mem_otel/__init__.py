@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from fsdp_mem_otel.config import TrackerConfig
-from fsdp_mem_otel.model import CATEGORIES, CATEGORY_KEYS, STATES, ModuleReport, StepReport
+from fsdp_mem_otel.schema import CATEGORIES, CATEGORY_KEYS, STATES, ModuleReport, StepReport
 
 if TYPE_CHECKING:
     from fsdp_mem_otel.tracker import FSDPMemoryTracker

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from fsdp_mem_otel.ledger import Ledger
-from fsdp_mem_otel.model import ACTIVATION
+from fsdp_mem_otel.schema import ACTIVATION
 
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks

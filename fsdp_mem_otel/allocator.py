@@ -144,16 +144,6 @@ def outside_pytorch_bytes(mem_get_info: tuple[int, int], reserved: int) -> int:
     return max(0, int(total) - int(free) - int(reserved))
 
 
-def cuda_activation_estimate(allocated: int, tracked_total: int) -> int:
-    """Light mode on CUDA: bytes allocated beyond what the ledger knows, floored at 0.
-
-    ``tracked_total`` must not itself include the estimate (pass the ledger total without the
-    activation / temp categories). The tracker files the result as activation in forward and as
-    temp in backward.
-    """
-    return max(0, int(allocated) - int(tracked_total))
-
-
 _process: Any = None  # psutil.Process of this process, made on first use
 
 
@@ -223,8 +213,6 @@ class AllocatorProbe:
                 self._devices[idx] = f"cuda:{idx}"
         #: device key -> statistic -> the step's sampled maximum
         self._max: dict[str, dict[str, int]] = {}
-        #: device key -> allocated bytes at the last sample (for the light-mode estimate)
-        self.last_allocated: dict[str, int] = {}
 
     @property
     def devices(self) -> list[str]:
@@ -265,7 +253,6 @@ class AllocatorProbe:
             allocated = stats["allocated_bytes"]["all"]["current"]
             reserved = stats["reserved_bytes"]["all"]["current"]
             active = stats["active_bytes"]["all"]["current"]
-            self.last_allocated[key] = allocated
             m = self._max.get(key)
             if m is None:
                 self._max[key] = {"allocated_bytes": allocated, "reserved_bytes": reserved, "active_bytes": active}
@@ -323,7 +310,6 @@ class AllocatorProbe:
                     # The next step's maxima start from what is live at its start (= now).
                     cur = {s: int(stats.get(k, 0)) for s, k in SAMPLED.items()}
                     self._max[key] = cur
-                    self.last_allocated[key] = cur["allocated_bytes"]
         rss = resident_bytes()
         if rss is not None:
             out[CPU_KEY] = {"resident_bytes": rss}

@@ -1,4 +1,4 @@
-"""The ``fsdp-mem-otel`` command: demo | serve."""
+"""The ``fsdp-mem-otel`` command: demo | serve | rules | dashboards | report (see ``USAGE``)."""
 
 from __future__ import annotations
 

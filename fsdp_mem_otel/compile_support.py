@@ -32,7 +32,7 @@ _HOOK_MODULES = (
     "fsdp_mem_otel.deep",
     "fsdp_mem_otel.integrations._session",
     "fsdp_mem_otel.ledger",
-    "fsdp_mem_otel.model",
+    "fsdp_mem_otel.schema",
     "fsdp_mem_otel.recorder",
     "fsdp_mem_otel.tracker",
 )

@@ -23,7 +23,7 @@ from fsdp_mem_otel.checks import (
     check_text,
     check_tls,
 )
-from fsdp_mem_otel.model import MODES
+from fsdp_mem_otel.schema import MODES
 
 #: TrackerConfig's environment: variable -> field
 _ENV_FIELDS = {

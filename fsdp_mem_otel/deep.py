@@ -19,8 +19,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_mem_otel.model import ACTIVATION, ALL_GATHER, OPTIMIZER_STATE, REDUCE_SCATTER, TEMP
 from fsdp_mem_otel.recorder import POST_BACKWARD, PRE_BACKWARD, PRE_FORWARD, StepContext
+from fsdp_mem_otel.schema import ACTIVATION, ALL_GATHER, OPTIMIZER_STATE, REDUCE_SCATTER, TEMP
 
 if TYPE_CHECKING:
     from fsdp_mem_otel.ledger import Ledger

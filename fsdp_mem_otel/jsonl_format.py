@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_mem_otel.model import TOTAL, StepReport
+from fsdp_mem_otel.schema import TOTAL, StepReport
 
 Progress = Callable[[str], None]
 

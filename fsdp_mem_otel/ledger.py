@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp_mem_otel import env
-from fsdp_mem_otel.model import CATEGORY_KEYS, TOTAL, DeviceBreakdown
+from fsdp_mem_otel.schema import CATEGORY_KEYS, TOTAL, DeviceBreakdown
 
 # The CUDA caching allocator rounds every block up to 512 bytes (same rule as upstream MemTracker).
 _CUDA_MIN_BLOCK = 512 if os.environ.get(env.PYTORCH_NO_CUDA_MEMORY_CACHING, "0") == "0" else 1

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 from fsdp_mem_otel.ledger import Ledger
-from fsdp_mem_otel.model import (
+from fsdp_mem_otel.schema import (
     AFTER_POST_BACKWARD,
     AFTER_POST_FORWARD,
     AFTER_PRE_BACKWARD,
@@ -43,7 +43,7 @@ BACKWARD = "backward"
 POST_BACKWARD = "post_backward"
 
 # FSDP phase after each state.
-_PHASE_AFTER = {
+_PHASE_AFTER: dict[str, str] = {
     BEFORE_PRE_FORWARD: PRE_FORWARD,
     AFTER_PRE_FORWARD: FORWARD,
     BEFORE_POST_FORWARD: POST_FORWARD,
@@ -53,8 +53,8 @@ _PHASE_AFTER = {
     BEFORE_POST_BACKWARD: POST_BACKWARD,
     AFTER_POST_BACKWARD: POST_BACKWARD,  # upstream keeps POST_BW until the next pre-backward
 }
-_OPENS = {BEFORE_PRE_FORWARD: PEAK_FORWARD, BEFORE_PRE_BACKWARD: PEAK_BACKWARD}
-_CLOSES = {AFTER_POST_FORWARD: PEAK_FORWARD, AFTER_POST_BACKWARD: PEAK_BACKWARD}
+_OPENS: dict[str, str] = {BEFORE_PRE_FORWARD: PEAK_FORWARD, BEFORE_PRE_BACKWARD: PEAK_BACKWARD}
+_CLOSES: dict[str, str] = {AFTER_POST_FORWARD: PEAK_FORWARD, AFTER_POST_BACKWARD: PEAK_BACKWARD}
 
 
 class StepContext:

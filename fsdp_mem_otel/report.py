@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fsdp_mem_otel.jsonl_format import Progress, RunIndex, main_device, quiet, rotated_files, scan_files, step_peak
-from fsdp_mem_otel.model import CATEGORIES, DEEP, STATES, TOTAL, StepReport
+from fsdp_mem_otel.schema import CATEGORIES, DEEP, FORWARD_PASS_STATES, STATES, TOTAL, StepReport
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -79,7 +79,7 @@ DEEP_COLOR = "#6A0DAD"
 ABORT_COLOR = "#D62728"
 _UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
 _PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
-_FWD = frozenset(STATES[:4]) | {"pre_forward_ac", "post_forward_ac", "peak_forward"}
+_FWD = FORWARD_PASS_STATES
 
 __all__ = ["RunIndex", "build_report", "downsample", "main_device", "render_html", "report_main", "scan_files",
            "step_figure", "step_peak", "write_report"]

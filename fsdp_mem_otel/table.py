@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fsdp_mem_otel.model import (
+from fsdp_mem_otel.schema import (
     AFTER_PRE_BACKWARD,
     AFTER_PRE_FORWARD,
     CATEGORIES,

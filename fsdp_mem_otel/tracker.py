@@ -27,7 +27,8 @@ from fsdp_mem_otel.deep import RESIZE_WATCH, DeepMode
 from fsdp_mem_otel.exporters import Exporter
 from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.ledger import Ledger
-from fsdp_mem_otel.model import (
+from fsdp_mem_otel.recorder import StepContext, StepRecorder
+from fsdp_mem_otel.schema import (
     ACTIVATION,
     AFTER_POST_FORWARD,
     BEFORE_POST_FORWARD,
@@ -41,7 +42,6 @@ from fsdp_mem_otel.model import (
     StepAbort,
     StepReport,
 )
-from fsdp_mem_otel.recorder import StepContext, StepRecorder
 
 logger = logging.getLogger(__name__)
 _in_backward = torch._C._current_graph_task_id

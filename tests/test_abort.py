@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_mem_otel.model import TOTAL
+from fsdp_mem_otel.schema import TOTAL
 from tests import workers
 from tests.dist import run_ranks
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fsdp_mem_otel.model import StepReport
+from fsdp_mem_otel.schema import StepReport
 from tests import workers
 from tests.dist import run_ranks
 

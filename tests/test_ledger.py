@@ -3,7 +3,7 @@
 import torch
 
 from fsdp_mem_otel.ledger import Ledger
-from fsdp_mem_otel.model import ACTIVATION, ALL_GATHER, TEMP, TOTAL
+from fsdp_mem_otel.schema import ACTIVATION, ALL_GATHER, TEMP, TOTAL
 
 
 def test_track_counts_storage_once_and_frees_on_gc() -> None:

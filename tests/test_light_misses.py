@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fsdp_mem_otel.demo import Block, BlockModel, make_batch
-from fsdp_mem_otel.model import CATEGORY_KEYS, TOTAL
+from fsdp_mem_otel.schema import CATEGORY_KEYS, TOTAL
 from fsdp_mem_otel.tracker import FSDPMemoryTracker
 from tests.dist import run_ranks
 from tests.workers import BATCH, BLOCKS, WIDTH, _upstream_snapshot, grad_bytes, settle, sharded_param_bytes

@@ -2,7 +2,7 @@
 
 import json
 
-from fsdp_mem_otel.model import CATEGORY_KEYS, STATES, ModuleReport, StepReport, empty_breakdown
+from fsdp_mem_otel.schema import CATEGORY_KEYS, STATES, ModuleReport, StepReport, empty_breakdown
 
 
 def _report() -> StepReport:

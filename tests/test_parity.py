@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from fsdp_mem_otel.model import CATEGORY_KEYS, TOTAL
+from fsdp_mem_otel.schema import CATEGORY_KEYS, TOTAL
 from tests import workers
 from tests.dist import run_ranks
 from tests.test_tracking import _compare_light_to_deep

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from fsdp_mem_otel.ledger import Ledger
-from fsdp_mem_otel.model import (
+from fsdp_mem_otel.recorder import StepRecorder
+from fsdp_mem_otel.schema import (
     ACTIVATION,
     AFTER_POST_BACKWARD,
     AFTER_POST_FORWARD,
@@ -22,7 +23,6 @@ from fsdp_mem_otel.model import (
     TEMP,
     TOTAL,
 )
-from fsdp_mem_otel.recorder import StepRecorder
 
 FWD = (BEFORE_PRE_FORWARD, AFTER_PRE_FORWARD, BEFORE_POST_FORWARD, AFTER_POST_FORWARD)
 BWD = (BEFORE_PRE_BACKWARD, AFTER_PRE_BACKWARD, BEFORE_POST_BACKWARD, AFTER_POST_BACKWARD)

@@ -22,7 +22,6 @@ import pytest
 
 from fsdp_mem_otel import jsonl_format
 from fsdp_mem_otel.exporters.jsonl import JSONLExporter, read_reports, rotated_files
-from fsdp_mem_otel.model import CATEGORIES, STATES, TOTAL, ModuleReport, StepAbort, StepReport
 from fsdp_mem_otel.report import (
     RunIndex,
     build_report,
@@ -33,6 +32,7 @@ from fsdp_mem_otel.report import (
     scan_files,
     step_figure,
 )
+from fsdp_mem_otel.schema import CATEGORIES, STATES, TOTAL, ModuleReport, StepAbort, StepReport
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)

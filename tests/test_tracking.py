@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from fsdp_mem_otel.model import (
+from fsdp_mem_otel.schema import (
     AFTER_PRE_FORWARD,
     BEFORE_PRE_FORWARD,
     CATEGORY_KEYS,

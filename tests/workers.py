@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fsdp_mem_otel.demo import WrapOptions, build, make_batch, train_step
-from fsdp_mem_otel.model import TOTAL
+from fsdp_mem_otel.schema import TOTAL
 from fsdp_mem_otel.tracker import FSDPMemoryTracker
 
 BLOCKS, WIDTH, BATCH = 3, 64, 16

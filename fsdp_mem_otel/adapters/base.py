@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from fsdp_mem_otel.model import ROOT_KEY
+from fsdp_mem_otel.schema import ROOT_KEY
 
 # Attributes under which wrappers hold the module they wrap: FSDP1, activation checkpointing and
 # CPU offload wrappers, torch.compile's OptimizedModule, Lightning Fabric's _FabricModule.

@@ -63,7 +63,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_mem_otel.adapters.base import EventSink, fsdp_module_keys
 from fsdp_mem_otel.compile_support import dynamo_safe
-from fsdp_mem_otel.model import (
+from fsdp_mem_otel.schema import (
     AFTER_POST_BACKWARD,
     AFTER_POST_FORWARD,
     AFTER_PRE_BACKWARD,

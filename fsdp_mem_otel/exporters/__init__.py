@@ -12,7 +12,7 @@ from typing import Protocol
 
 from fsdp_mem_otel.config import ExportConfig
 from fsdp_mem_otel.identity import Identity
-from fsdp_mem_otel.model import StepReport
+from fsdp_mem_otel.schema import StepReport
 
 
 class Exporter(Protocol):

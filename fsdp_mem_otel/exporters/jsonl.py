@@ -53,7 +53,7 @@ from fsdp_mem_otel.jsonl_format import (
     remove_if_exists,
     rotated_files,
 )
-from fsdp_mem_otel.model import StepReport
+from fsdp_mem_otel.schema import StepReport
 from fsdp_mem_otel.worker import BackgroundWorker
 
 # the file format lives in jsonl_format; these names stay importable from here

@@ -106,16 +106,14 @@ from fsdp_mem_otel import __version__, env
 from fsdp_mem_otel.config import OTelConfig
 from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.identity import Identity
-from fsdp_mem_otel.model import (
+from fsdp_mem_otel.schema import (
     AFTER_POST_BACKWARD,
     AFTER_POST_FORWARD,
-    AFTER_PRE_BACKWARD,
-    AFTER_PRE_FORWARD,
-    BEFORE_POST_BACKWARD,
-    BEFORE_POST_FORWARD,
+    BACKWARD_PASS_STATES,
     BEFORE_PRE_BACKWARD,
     BEFORE_PRE_FORWARD,
     CATEGORY_KEYS,
+    FORWARD_STATES,
     PEAK_BACKWARD,
     PEAK_FORWARD,
     ROOT_KEY,
@@ -194,13 +192,10 @@ DEFAULT_SERVICE_NAME = "fsdp-mem-otel"
 DEFAULT_EXPORT_TIMEOUT = 5.0
 _TRUTHY = ("1", "true", "yes", "on")
 
-# Which pass each state belongs to (for placing its event on the module's spans).
-_FORWARD_STATES = frozenset(
-    {BEFORE_PRE_FORWARD, AFTER_PRE_FORWARD, BEFORE_POST_FORWARD, AFTER_POST_FORWARD, PEAK_FORWARD}
-)
-_BACKWARD_STATES = frozenset(
-    {BEFORE_PRE_BACKWARD, AFTER_PRE_BACKWARD, BEFORE_POST_BACKWARD, AFTER_POST_BACKWARD, PEAK_BACKWARD}
-)
+# Which pass each state belongs to (for placing its event on the module's spans; a recompute's
+# states go on no span).
+_FORWARD_STATES = FORWARD_STATES | {PEAK_FORWARD}
+_BACKWARD_STATES = BACKWARD_PASS_STATES
 _PASSES = (
     (PASS_FORWARD, SPAN_FORWARD, BEFORE_PRE_FORWARD, AFTER_POST_FORWARD, PEAK_FORWARD),
     (PASS_BACKWARD, SPAN_BACKWARD, BEFORE_PRE_BACKWARD, AFTER_POST_BACKWARD, PEAK_BACKWARD),

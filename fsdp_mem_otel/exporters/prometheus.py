@@ -32,7 +32,8 @@ from fsdp_mem_otel import catalog as cat
 from fsdp_mem_otel.config import DEFAULT_BASE_PORT, PrometheusConfig
 from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.identity import Identity
-from fsdp_mem_otel.model import (
+from fsdp_mem_otel.rank_files import rank_file_name
+from fsdp_mem_otel.schema import (
     AFTER_POST_FORWARD,
     BEFORE_PRE_FORWARD,
     CATEGORY_KEYS,
@@ -44,7 +45,6 @@ from fsdp_mem_otel.model import (
     StepAbort,
     StepReport,
 )
-from fsdp_mem_otel.rank_files import rank_file_name
 from fsdp_mem_otel.worker import BackgroundWorker
 
 logger = logging.getLogger(__name__)
@@ -188,7 +188,8 @@ class StepReportCollector:
         detail = _family(cat.MODULE_STATE_BYTES, ids + cat.MODULE_STATE_BYTES.labels) if self.detail else None
         for key in order:
             mod = report.modules[key]
-            for phase, state in (("forward", PEAK_FORWARD), ("backward", PEAK_BACKWARD)):
+            peak_states: tuple[tuple[str, str], ...] = (("forward", PEAK_FORWARD), ("backward", PEAK_BACKWARD))
+            for phase, state in peak_states:
                 if mod.snapshots.get(state):
                     peak.add_metric([*idv, key, phase], float(mod.peak_total(state)))
             starts = mod.times.get(BEFORE_PRE_FORWARD, [])

@@ -10,7 +10,7 @@ from torch import nn
 
 from fsdp_mem_otel.config import TrackerConfig
 from fsdp_mem_otel.exporters import Exporter
-from fsdp_mem_otel.model import StepReport
+from fsdp_mem_otel.schema import StepReport
 
 logger = logging.getLogger(__name__)
 OnReport = Callable[[StepReport], None]

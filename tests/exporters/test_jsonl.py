@@ -17,7 +17,7 @@ import pytest
 
 from fsdp_mem_otel.exporters import jsonl
 from fsdp_mem_otel.exporters.jsonl import JSONLExporter, read_reports, rotated_files
-from fsdp_mem_otel.model import CATEGORY_KEYS, STATES, ModuleReport, StepAbort, StepReport
+from fsdp_mem_otel.schema import CATEGORY_KEYS, STATES, ModuleReport, StepAbort, StepReport
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -288,7 +288,7 @@ def test_no_torch_import(tmp_path: Path) -> None:
     code = (
         "import sys\n"
         "from fsdp_mem_otel.exporters.jsonl import JSONLExporter, read_reports\n"
-        "from fsdp_mem_otel.model import StepReport\n"
+        "from fsdp_mem_otel.schema import StepReport\n"
         "e = JSONLExporter(sys.argv[1])\n"
         "e.export(StepReport(step=1, rank=0, world_size=1, mode='light', fsdp_version=2, peak={}, modules={}))\n"
         "e.shutdown()\n"

@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from fsdp_mem_otel.exporters import otel
 from fsdp_mem_otel.exporters.otel import OTelSpanExporter, mem_attr, peak_attr
 from fsdp_mem_otel.identity import Identity
-from fsdp_mem_otel.model import CATEGORY_KEYS, ModuleReport, StepAbort, StepReport
+from fsdp_mem_otel.schema import CATEGORY_KEYS, ModuleReport, StepAbort, StepReport
 from tests.dist import run_ranks
 from tests.exporters import otel_workers as w
 

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fsdp_mem_otel import catalog as cat
 from fsdp_mem_otel.exporters.prometheus import PrometheusExporter, StepReportCollector
 from fsdp_mem_otel.identity import Identity
-from fsdp_mem_otel.model import CATEGORY_KEYS, STATES, ModuleReport, StepAbort, StepReport
+from fsdp_mem_otel.schema import CATEGORY_KEYS, STATES, ModuleReport, StepAbort, StepReport
 from tests.dist import run_ranks
 from tests.exporters import prom_workers
 

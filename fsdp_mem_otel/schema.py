@@ -1,0 +1,279 @@
+"""The report schema: categories, states and the per-step report, as plain data.
+
+Standard library only: exporters and the report tool read these without importing torch.
+Categories and states are ``StrEnum`` members: they are the strings they name (equal, same hash,
+JSON and label values unchanged), with the state groups (forward, backward, ...) named once here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class Category(StrEnum):
+    """Where bytes go; ``TOTAL`` is their sum."""
+
+    SHARDED_PARAM = "sharded_param"
+    UNSHARDED_PARAM = "unsharded_param"
+    BUFFER = "buffer"
+    SHARDED_GRAD = "sharded_grad"
+    UNSHARDED_GRAD = "unsharded_grad"
+    ACTIVATION = "activation"
+    TEMP = "temp"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    OPTIMIZER_STATE = "optimizer_state"
+    INPUTS = "inputs"
+    TOTAL = "total"
+
+
+class State(StrEnum):
+    """Where an FSDP module is, when a snapshot is taken."""
+
+    BEFORE_PRE_FORWARD = "before_pre_forward"
+    AFTER_PRE_FORWARD = "after_pre_forward"
+    BEFORE_POST_FORWARD = "before_post_forward"
+    AFTER_POST_FORWARD = "after_post_forward"
+    BEFORE_PRE_BACKWARD = "before_pre_backward"
+    AFTER_PRE_BACKWARD = "after_pre_backward"
+    BEFORE_POST_BACKWARD = "before_post_backward"
+    AFTER_POST_BACKWARD = "after_post_backward"
+    PRE_FORWARD_AC = "pre_forward_ac"
+    POST_FORWARD_AC = "post_forward_ac"
+    PEAK_FORWARD = "peak_forward"
+    PEAK_BACKWARD = "peak_backward"
+
+
+SHARDED_PARAM = Category.SHARDED_PARAM
+UNSHARDED_PARAM = Category.UNSHARDED_PARAM
+BUFFER = Category.BUFFER
+SHARDED_GRAD = Category.SHARDED_GRAD
+UNSHARDED_GRAD = Category.UNSHARDED_GRAD
+ACTIVATION = Category.ACTIVATION
+TEMP = Category.TEMP
+ALL_GATHER = Category.ALL_GATHER
+REDUCE_SCATTER = Category.REDUCE_SCATTER
+OPTIMIZER_STATE = Category.OPTIMIZER_STATE
+INPUTS = Category.INPUTS
+TOTAL = Category.TOTAL
+
+#: Memory categories, in display order; ``total`` is their sum.
+CATEGORIES: tuple[str, ...] = tuple(c for c in Category if c is not Category.TOTAL)
+CATEGORY_KEYS: tuple[str, ...] = (*CATEGORIES, TOTAL)
+
+BEFORE_PRE_FORWARD = State.BEFORE_PRE_FORWARD
+AFTER_PRE_FORWARD = State.AFTER_PRE_FORWARD
+BEFORE_POST_FORWARD = State.BEFORE_POST_FORWARD
+AFTER_POST_FORWARD = State.AFTER_POST_FORWARD
+BEFORE_PRE_BACKWARD = State.BEFORE_PRE_BACKWARD
+AFTER_PRE_BACKWARD = State.AFTER_PRE_BACKWARD
+BEFORE_POST_BACKWARD = State.BEFORE_POST_BACKWARD
+AFTER_POST_BACKWARD = State.AFTER_POST_BACKWARD
+PRE_FORWARD_AC = State.PRE_FORWARD_AC
+POST_FORWARD_AC = State.POST_FORWARD_AC
+PEAK_FORWARD = State.PEAK_FORWARD
+PEAK_BACKWARD = State.PEAK_BACKWARD
+
+#: FSDP module states at which snapshots are taken, in execution order.
+STATES: tuple[str, ...] = tuple(State)
+#: The states FSDP reaches around a module's forward (in backward too, during a recompute).
+FORWARD_STATES: frozenset[str] = frozenset(STATES[:4])
+#: The states FSDP reaches around a module's backward.
+BACKWARD_STATES: frozenset[str] = frozenset(STATES[4:8])
+#: Where the forward pass of a module shows: its forward states, their recompute and peak.
+FORWARD_PASS_STATES: frozenset[str] = FORWARD_STATES | {PRE_FORWARD_AC, POST_FORWARD_AC, PEAK_FORWARD}
+#: Where the backward pass of a module shows: its backward states and peak.
+BACKWARD_PASS_STATES: frozenset[str] = BACKWARD_STATES | {PEAK_BACKWARD}
+
+LIGHT = "light"
+DEEP = "deep"
+MODES: tuple[str, ...] = (LIGHT, DEEP)
+
+ROOT_KEY = "<root>"
+
+#: StepReport.deep_skipped: a deep step stayed light because the model runs torch.compile'd code
+DEEP_SKIPPED_COMPILED = "compiled"
+DEEP_SKIP_REASONS: tuple[str, ...] = (DEEP_SKIPPED_COMPILED,)
+
+#: device ("cpu", "cuda:0") -> category key -> bytes
+DeviceBreakdown = dict[str, dict[str, int]]
+
+
+@dataclass
+class ModuleReport:
+    """Snapshots of one FSDP module during one step: state -> one breakdown per call.
+
+    ``times`` runs parallel to ``snapshots``: state -> wall-clock time (ns since the epoch) of
+    each snapshot; for peak states, when the window closed. Forward of call i spans
+    times["before_pre_forward"][i] .. times["after_post_forward"][i]; backward likewise.
+    """
+
+    snapshots: dict[str, list[DeviceBreakdown]] = field(default_factory=dict)
+    times: dict[str, list[int]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "snapshots": {s: [_copy(b) for b in calls] for s, calls in self.snapshots.items()},
+            "times": {s: list(t) for s, t in self.times.items()},
+        }
+
+    def peak_total(self, state: str) -> int:
+        """Largest ``total`` over devices and calls for ``state`` (0 if never reached)."""
+        return max(
+            (cats.get(TOTAL, 0) for b in self.snapshots.get(state, []) for cats in b.values()),
+            default=0,
+        )
+
+
+@dataclass
+class StepAbort:
+    """Why and where a step stopped early (an exception such as an OOM, or step() mid-pass)."""
+
+    error: str  # exception type name, or "IncompleteStep"
+    message: str
+    oom: bool
+    module: str  # innermost FSDP module active when it happened ("" if none)
+    state: str  # the last state that module reached
+    breakdown: DeviceBreakdown  # live bytes by category at that moment
+    #: CUDA device -> bytes in use outside PyTorch's allocator at that moment (context, NCCL, ...)
+    outside_pytorch_bytes: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "error": self.error,
+            "message": self.message,
+            "oom": self.oom,
+            "module": self.module,
+            "state": self.state,
+            "breakdown": _copy(self.breakdown),
+            "outside_pytorch_bytes": dict(self.outside_pytorch_bytes),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepAbort:
+        return cls(
+            error=str(data["error"]),
+            message=str(data.get("message", "")),
+            oom=bool(data.get("oom", False)),
+            module=str(data.get("module", "")),
+            state=str(data.get("state", "")),
+            breakdown=_copy(data.get("breakdown", {})),
+            outside_pytorch_bytes={d: int(v) for d, v in data.get("outside_pytorch_bytes", {}).items()},
+        )
+
+
+@dataclass
+class StepReport:
+    """What the tracker saw during one training step. Plain data, JSON-able via to_dict()."""
+
+    step: int
+    rank: int
+    world_size: int
+    mode: str
+    fsdp_version: int
+    peak: DeviceBreakdown
+    modules: dict[str, ModuleReport]
+    module_order: list[str] = field(default_factory=list)
+    current: DeviceBreakdown = field(default_factory=dict)
+    #: device -> allocator statistic -> value (see allocator.py for the keys)
+    allocator: dict[str, dict[str, float]] = field(default_factory=dict)
+    local_rank: int = 0
+    duration_seconds: float = 0.0
+    tracker_overhead_seconds: float = 0.0
+    errors_total: int = 0
+    timestamp: float = 0.0
+    start_time_ns: int = 0
+    end_time_ns: int = 0
+    #: None for a step that completed; else what stopped it (see StepAbort)
+    aborted: StepAbort | None = None
+    #: why a step due to run deep stayed light ("compiled": the model runs torch.compile'd code)
+    deep_skipped: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "mode": self.mode,
+            "fsdp_version": self.fsdp_version,
+            "peak": _copy(self.peak),
+            "current": _copy(self.current),
+            "modules": {k: m.to_dict() for k, m in self.modules.items()},
+            "module_order": list(self.module_order),
+            "allocator": {d: dict(v) for d, v in self.allocator.items()},
+            "local_rank": self.local_rank,
+            "duration_seconds": self.duration_seconds,
+            "tracker_overhead_seconds": self.tracker_overhead_seconds,
+            "errors_total": self.errors_total,
+            "timestamp": self.timestamp,
+            "start_time_ns": self.start_time_ns,
+            "end_time_ns": self.end_time_ns,
+            "aborted": None if self.aborted is None else self.aborted.to_dict(),
+            "deep_skipped": self.deep_skipped,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], copy: bool = True) -> StepReport:
+        """Inverse of to_dict(); unknown keys are ignored so old readers accept new files.
+
+        ``copy=False``: take ``peak`` and ``current`` as they are (fresh from ``json.loads``),
+        only checking that their byte counts are integers; for readers of many lines."""
+        if not copy:
+            for b in (data["peak"], data.get("current", {})):
+                for cats in b.values():
+                    for v in cats.values():
+                        if type(v) is not int:
+                            raise TypeError(f"byte count {v!r} is not an integer")
+        copied = _copy if copy else _same
+        return cls(
+            step=int(data["step"]),
+            rank=int(data["rank"]),
+            world_size=int(data["world_size"]),
+            mode=str(data["mode"]),
+            fsdp_version=int(data.get("fsdp_version", 0)),
+            peak=copied(data["peak"]),
+            current=copied(data.get("current", {})),
+            modules={
+                k: ModuleReport(
+                    {s: [_copy(b) for b in calls] for s, calls in m["snapshots"].items()},
+                    {s: [int(t) for t in ts] for s, ts in m.get("times", {}).items()},
+                )
+                for k, m in data["modules"].items()
+            },
+            module_order=list(data.get("module_order", [])),
+            allocator={d: dict(v) for d, v in data.get("allocator", {}).items()},
+            local_rank=int(data.get("local_rank", 0)),
+            duration_seconds=float(data.get("duration_seconds", 0.0)),
+            tracker_overhead_seconds=float(data.get("tracker_overhead_seconds", 0.0)),
+            errors_total=int(data.get("errors_total", 0)),
+            timestamp=float(data.get("timestamp", 0.0)),
+            start_time_ns=int(data.get("start_time_ns", 0)),
+            end_time_ns=int(data.get("end_time_ns", 0)),
+            aborted=None if data.get("aborted") is None else StepAbort.from_dict(data["aborted"]),
+            deep_skipped=None if data.get("deep_skipped") is None else str(data["deep_skipped"]),
+        )
+
+    def peak_total(self, device: str | None = None) -> int:
+        """Step peak total bytes on ``device`` (default: the largest over devices)."""
+        if device is not None:
+            return self.peak.get(device, {}).get(TOTAL, 0)
+        return max((c.get(TOTAL, 0) for c in self.peak.values()), default=0)
+
+
+def empty_breakdown() -> dict[str, int]:
+    """A category -> bytes dict with every key present and zero."""
+    return dict.fromkeys(CATEGORY_KEYS, 0)
+
+
+def _same(b: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    return b
+
+
+def _copy(b: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    return {dev: {k: int(v) for k, v in cats.items()} for dev, cats in b.items()}
