@@ -308,6 +308,16 @@ SIDECAR_READ_ERRORS_TOTAL = Metric(
     "Rank metrics files the sidecar could not read or parse (the rank's samples are left out).",
     ("rank",), scope=SCOPE_SIDECAR,
 )
+SIDECAR_REFUSED_FILES_TOTAL = Metric(
+    "fsdp_mem_sidecar_refused_files_total", COUNTER, "",
+    "Rank file reads the sidecar refused: reason=not_regular (a symlink, FIFO or device), too_large, too_many.",
+    ("reason",), scope=SCOPE_SIDECAR,
+)
+SIDECAR_DIRECTORY_READABLE = Metric(
+    "fsdp_mem_sidecar_directory_readable", GAUGE, "",
+    "1 when the sidecar could list its directory at the last scrape, else 0 (the ranks then go stale).",
+    (), scope=SCOPE_SIDECAR,
+)
 
 #: every metric, in exposition order
 METRICS: tuple[Metric, ...] = (
@@ -333,6 +343,8 @@ METRICS: tuple[Metric, ...] = (
     SIDECAR_RANK_LAST_UPDATE,
     SIDECAR_RANK_STALE,
     SIDECAR_READ_ERRORS_TOTAL,
+    SIDECAR_REFUSED_FILES_TOTAL,
+    SIDECAR_DIRECTORY_READABLE,
 )
 
 _BY_NAME: dict[str, Metric] = {m.name: m for m in METRICS}

@@ -40,8 +40,8 @@ class FailureLog:
             self._failing.add(kind)
         if first:
             text = f": {detail}" if detail else ""
-            self.logger.error("fsdp_mem_otel: %s: %s failed (training continues; counted; logged again only "
-                              "after it recovers)%s", self.component, kind, text, exc_info=exc)
+            self.logger.error("fsdp_mem_otel: %s: %s failed (counted; logged again only after it recovers)%s",
+                              self.component, kind, text, exc_info=exc)
         return first
 
     def count(self, n: int = 1) -> None:

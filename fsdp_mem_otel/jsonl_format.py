@@ -28,6 +28,9 @@ from typing import Any
 from fsdp_mem_otel.schema import TOTAL, StepReport
 
 Progress = Callable[[str], None]
+#: what a line that does not make a StepReport raises: bad JSON, missing or mistyped fields, a
+#: number too large for an int (1e400), nesting too deep for the parser
+LINE_ERRORS = (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError)
 
 
 def quiet(_: str) -> None:
@@ -144,7 +147,7 @@ def _read(files: list[str]) -> Iterator[StepReport]:
                     continue
                 try:
                     report = StepReport.from_dict(json.loads(raw))
-                except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                except LINE_ERRORS as exc:
                     # no newline after it: the last line, whose write did not finish
                     what = "truncated last line" if not raw.endswith(b"\n") else "unreadable line"
                     warnings.warn(f"{path}:{i + 1}: skipping {what} ({exc})", RuntimeWarning, stacklevel=2)
@@ -246,7 +249,7 @@ def _read_line(loc: _Where) -> StepReport | None:
         raw = f.read(loc.end - loc.start)
     try:
         return StepReport.from_dict(json.loads(raw))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except LINE_ERRORS as exc:
         warnings.warn(f"{loc.path}: line at byte {loc.start} does not parse ({exc})", RuntimeWarning, stacklevel=2)
         return None
 
@@ -267,7 +270,7 @@ def _summary(buf: Any, start: int, end: int) -> StepReport:
             data = json.loads(head + buf[j:end])
             data["modules"] = {}
             return StepReport.from_dict(data)
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except LINE_ERRORS:
             pass  # not the exporter's layout: parse it whole
     data = json.loads(buf[start:end])
     data["modules"], data["module_order"] = {}, []
@@ -394,7 +397,7 @@ def _scan_range(f: Any, path: str, start: int, stop: int | None, lineno: int, ou
             if end - pos > 64 or buf[pos:end].strip():  # skip blank lines
                 try:
                     report = _summary(buf, pos, end)
-                except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                except LINE_ERRORS as exc:
                     what = "truncated last line" if nl < 0 else "unreadable line"
                     warned.append(f"{path}:{lineno}: skipping {what} ({exc})")
                 else:
@@ -449,7 +452,7 @@ def _from_index(path: str, progress: Progress) -> _Scanned | None:
             if pos < size:
                 gap_bytes += size - pos
                 _scan_range(f, path, pos, None, lineno, out, spans, warned)
-    except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
+    except (*LINE_ERRORS, OSError) as exc:
         warnings.warn(f"{ipath}: index does not fit its data file ({exc}); reading the whole data file",
                       RuntimeWarning, stacklevel=3)
         return None

@@ -1,10 +1,22 @@
 """``fsdp-mem-otel serve``: one /metrics endpoint over a directory of per-rank files.
 
 Each rank's ``PrometheusExporter(sidecar_dir=D)`` replaces ``D/rank-<rank>.prom`` atomically at
-every step. This server reads every rank file whole at scrape time (so it never sees half a
-file), merges the families (each HELP/TYPE once, the samples of all ranks) and adds, per rank,
-when its file last changed and whether that is longer ago than ``--stale-seconds``, so that a dead
-or stuck rank shows up as ``fsdp_mem_sidecar_rank_stale == 1`` instead of silently vanishing.
+every step. At every scrape this server reads each rank file whole (so it never sees half a file),
+merges the families (each HELP/TYPE once, the samples of all ranks, a series claimed twice kept
+once) and adds, per rank, when its file last held valid metrics and whether that is longer ago
+than ``--stale-seconds``, so a dead or stuck rank shows up as ``fsdp_mem_sidecar_rank_stale == 1``
+instead of silently vanishing.
+
+It trusts nothing in the directory (``emptyDir`` volumes are writable by every container of the
+pod): files are opened without following symlinks and must be regular files (a FIFO or device is
+refused, never read); at most ``max_file_bytes`` are read of one and ``max_files`` files are
+served; a refusal is counted in ``fsdp_mem_sidecar_refused_files_total{reason}`` and logged once,
+and nothing of a file's content ever reaches the log. A rank is fresh only by a file that parsed:
+its time is taken after a successful parse (as node_exporter's textfile collector does), so a
+rank rewriting garbage goes stale. Parsed files are cached by content, not by modification time,
+so the ranks' 10 s heartbeats cost a read, not a parse; what is kept is the files' text, not
+parsed objects. A directory it cannot list sets ``fsdp_mem_sidecar_directory_readable`` to 0 and
+leaves the ranks it knew, stale.
 
 Does not import torch: the sidecar container needs only prometheus_client.
 """
@@ -12,14 +24,16 @@ Does not import torch: the sidecar container needs only prometheus_client.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import signal
 import ssl
+import stat
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import generate_latest
@@ -29,125 +43,233 @@ from prometheus_client.parser import text_string_to_metric_families
 from fsdp_mem_otel import catalog as cat
 from fsdp_mem_otel.checks import check_tls
 from fsdp_mem_otel.failures import FailureLog
+from fsdp_mem_otel.http_server import CONTENT_TYPE, MetricsServer, ssl_context
 from fsdp_mem_otel.rank_files import rank_of
 
 logger = logging.getLogger(__name__)
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+__all__ = ["CONTENT_TYPE", "SidecarCollector", "make_server", "serve_main", "ssl_context"]
+
 DEFAULT_STALE_SECONDS = 300.0
+#: bytes read of one rank file at most (a rank with FSDP_MEM_OTEL_DETAIL=1 and 256 modules
+#: writes about 6.5 MB; see README's sidecar limits)
+DEFAULT_MAX_FILE_BYTES = 16 * 1024 * 1024
+#: rank files served at most (the ranks of one pod)
+DEFAULT_MAX_FILES = 64
 #: identity labels copied from a rank's samples onto its freshness series
 _ID_LABELS = cat.IDENTITY_LABELS + cat.OPTIONAL_IDENTITY_LABELS
-#: seconds a client gets to finish the TLS handshake and send its request
-_CLIENT_TIMEOUT = 10.0
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+@dataclass
+class _Family:
+    """One metric family of one rank file, as text."""
+
+    name: str
+    type: str
+    head: list[str]  # its HELP and TYPE lines
+    samples: list[tuple[str, str]] = field(default_factory=list)  # (series key, line)
+
+
+@dataclass
+class _Parsed:
+    digest: bytes
+    families: list[_Family]
+    identity: dict[str, str]
 
 
 class SidecarCollector:
-    """Collector over a directory of rank files: merged families plus per-rank freshness."""
+    """The merged exposition of a directory of rank files, plus per-rank freshness (``render``)."""
 
     def __init__(self, directory: str, stale_seconds: float = DEFAULT_STALE_SECONDS,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+                 max_files: int = DEFAULT_MAX_FILES) -> None:
         if not isinstance(stale_seconds, int | float) or stale_seconds <= 0:
             raise ValueError(f"stale_seconds must be a positive number; got {stale_seconds!r}")
         self.directory = directory
         self.stale_seconds = float(stale_seconds)
+        self.max_file_bytes = max_file_bytes
+        self.max_files = max_files
         self._clock = clock
         self._lock = threading.Lock()
-        # path -> ((inode, mtime_ns, size), parsed families): files are replaced, never edited
-        self._cache: dict[str, tuple[tuple[int, int, int], list[Metric]]] = {}
+        self._parsed: dict[int, _Parsed] = {}  # rank -> its file's last good parse
+        self._fresh: dict[int, float] = {}  # rank -> modification time of its last good file (0: none yet)
         self._identity: dict[int, dict[str, str]] = {}
         self._read_errors: dict[int, int] = {}
+        self._refused: dict[str, int] = {"not_regular": 0, "too_large": 0, "too_many": 0}
+        self._readable: bool | None = None  # None: the directory does not exist (yet)
         self.failures = FailureLog(logger, "sidecar server")
 
+    # -- reading ---------------------------------------------------------------------------------
     def _rank_files(self) -> list[tuple[int, str]]:
         try:
             names = os.listdir(self.directory)
-        except FileNotFoundError:  # no rank has written yet
+        except FileNotFoundError:  # no rank has written yet: nothing to say about it either
+            self._readable = None
             return []
         except OSError as exc:
-            self._log_once("listdir", f"cannot list {self.directory}: {exc!r}")
+            self._readable = False
+            self.failures.failed("listing the directory", None, f"cannot list {self.directory}: {type(exc).__name__}")
             return []
-        found = []
-        for name in names:
-            rank = rank_of(name)
-            if rank is not None:
-                found.append((rank, os.path.join(self.directory, name)))
-        return sorted(found)
+        self._readable = True
+        self.failures.recovered("listing the directory")
+        found = sorted((rank, name) for name in names if (rank := rank_of(name)) is not None)
+        if len(found) > self.max_files:
+            self._refused["too_many"] += len(found) - self.max_files
+            self.failures.failed("too many rank files", None,
+                                 f"{len(found)} rank files, serving the first {self.max_files} (max_files)")
+            found = found[: self.max_files]
+        return [(rank, os.path.join(self.directory, name)) for rank, name in found]
 
-    def _read(self, rank: int, path: str) -> tuple[float, list[Metric]] | None:
-        """(mtime, families) of one rank file, or None if it vanished."""
+    def _read(self, rank: int, path: str) -> tuple[bytes, float] | None:
+        """(content, modification time) of a regular file of at most max_file_bytes, else None."""
         try:
-            with open(path, "rb") as f:  # one open file: the atomic replace cannot tear it
-                st = os.fstat(f.fileno())
-                key = (st.st_ino, st.st_mtime_ns, st.st_size)
-                cached = self._cache.get(path)
-                if cached is not None and cached[0] == key:
-                    return st.st_mtime, cached[1]
-                text = f.read().decode("utf-8")
+            fd = os.open(path, _OPEN_FLAGS)
         except FileNotFoundError:
             return None
-        except (OSError, UnicodeDecodeError) as exc:
-            self._read_error(rank, path, exc)
+        except OSError as exc:  # ELOOP: a symlink; EACCES: another user's file
+            reason = "not_regular" if os.path.islink(path) else None
+            self._error(rank, path, exc, reason)
             return None
         try:
-            families = list(text_string_to_metric_families(text))
-        except Exception as exc:  # noqa: BLE001 - a bad file must not break the other ranks
-            self._read_error(rank, path, exc)
-            self._cache.pop(path, None)
-            return st.st_mtime, []
-        self._cache[path] = (key, families)
-        return st.st_mtime, families
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                self._error(rank, path, None, "not_regular")
+                return None
+            if st.st_size > self.max_file_bytes:
+                self._error(rank, path, None, "too_large")
+                return None
+            chunks, total = [], 0
+            while True:
+                chunk = os.read(fd, min(1 << 20, self.max_file_bytes + 1 - total))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                total += len(chunk)
+                if total > self.max_file_bytes:  # grew while being read
+                    self._error(rank, path, None, "too_large")
+                    return None
+            return b"".join(chunks), os.fstat(fd).st_mtime
+        except OSError as exc:
+            self._error(rank, path, exc, None)
+            return None
+        finally:
+            os.close(fd)
 
-    def _read_error(self, rank: int, path: str, exc: BaseException) -> None:
+    def _error(self, rank: int, path: str, exc: BaseException | None, refused: str | None) -> None:
         self._read_errors[rank] = self._read_errors.get(rank, 0) + 1
-        self._log_once(f"read:{path}", f"cannot read or parse {path} (its samples are left out): {exc!r}")
+        if refused is not None:
+            self._refused[refused] += 1
+        # what went wrong, never what the file holds
+        what = refused or (type(exc).__name__ if exc is not None else "unreadable")
+        self.failures.failed(f"reading {path}", None, f"rank {rank}'s file left out: {what}")
 
-    def _log_once(self, key: str, msg: str) -> None:
-        self.failures.failed(key, None, msg)
-
-    def collect(self) -> Iterator[Metric]:
-        with self._lock:  # the cache and counters are shared by concurrent scrapes
-            families = self._collect()
-        yield from families
-
-    def _collect(self) -> list[Metric]:
-        merged: dict[str, Metric] = {}
-        seen: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
-        fresh: list[tuple[int, float]] = []
-        files = self._rank_files()
-        live = {path for _, path in files}
-        for path in list(self._cache):
-            if path not in live:
-                del self._cache[path]
-        for rank, path in files:
-            got = self._read(rank, path)
-            if got is None:
+    @staticmethod
+    def _parse(data: bytes) -> _Parsed:
+        """Validate a rank file and split it into families of text lines; ValueError if invalid."""
+        text = data.decode("utf-8")
+        list(text_string_to_metric_families(text))  # validates; the objects are not kept
+        families: list[_Family] = []
+        by_name: dict[str, _Family] = {}
+        identity: dict[str, str] = {}
+        current: _Family | None = None
+        for line in text.splitlines():
+            if not line:
                 continue
-            mtime, families = got
-            fresh.append((rank, mtime))
-            for fam in families:
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                parts = line.split(" ", 3)
+                name = parts[2]
+                fam = by_name.get(name)
+                if fam is None:
+                    fam = by_name[name] = _Family(name, "untyped", [])
+                    families.append(fam)
+                if parts[1] == "TYPE" and len(parts) > 3:
+                    fam.type = parts[3]
+                fam.head.append(line)
+                current = fam
+            elif line.startswith("#"):
+                continue
+            else:
+                key = line.rsplit(" ", 1)[0]
+                if current is None:
+                    raise ValueError("a sample before any HELP/TYPE line")
+                current.samples.append((key, line))
+        info = by_name.get(cat.TRACKER_INFO.name)
+        if info is not None:
+            info_text = "\n".join(info.head + [ln for _, ln in info.samples]) + "\n"
+            for info_family in text_string_to_metric_families(info_text):
+                if info_family.samples:
+                    labels = info_family.samples[0].labels
+                    identity = {k: labels[k] for k in _ID_LABELS if k in labels}
+        return _Parsed(b"", families, identity)
+
+    # -- one scrape --------------------------------------------------------------------------------
+    def render(self) -> bytes:
+        """The merged exposition of every rank file, then the sidecar's own series."""
+        with self._lock:  # the cache and counters are shared by concurrent scrapes
+            files = self._rank_files()
+            present = {rank for rank, _ in files}
+            for rank in list(self._parsed):
+                if rank not in present and self._readable is not False:
+                    del self._parsed[rank]  # the file is gone: so are its samples
+                    self._fresh.pop(rank, None)
+            for rank, path in files:
+                self._refresh(rank, path)
+            body = self._merge()
+            own = self._own_families()
+        return body + generate_latest(_Families(own))
+
+    def _refresh(self, rank: int, path: str) -> None:
+        got = self._read(rank, path)
+        self._fresh.setdefault(rank, 0.0)
+        if got is None:
+            return
+        data, mtime = got
+        digest = hashlib.blake2b(data, digest_size=16).digest()
+        cached = self._parsed.get(rank)
+        if cached is None or cached.digest != digest:
+            try:
+                parsed = self._parse(data)
+            except Exception as exc:  # noqa: BLE001 - a bad file must not break the other ranks
+                self._parsed.pop(rank, None)
+                self._error(rank, path, exc, None)
+                return
+            parsed.digest = digest
+            self._parsed[rank] = parsed
+            if parsed.identity:
+                self._identity[rank] = parsed.identity
+        self._fresh[rank] = mtime  # only a file that parsed makes its rank fresh
+
+    def _merge(self) -> bytes:
+        merged: dict[str, _Family] = {}
+        seen: set[str] = set()
+        for rank in sorted(self._parsed):
+            for fam in self._parsed[rank].families:
                 into = merged.get(fam.name)
                 if into is None:
-                    into = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                    into = merged[fam.name] = _Family(fam.name, fam.type, fam.head, [])
                 elif into.type != fam.type:
-                    self._log_once(f"type:{fam.name}", f"{path}: {fam.name} is a {fam.type}, another rank's a "
-                                   f"{into.type}; left out")
+                    self.failures.failed(f"type of {fam.name}", None,
+                                         f"rank {rank}: {fam.name} is a {fam.type}, another rank's a {into.type}; "
+                                         "left out")
                     continue
-                for s in fam.samples:
-                    key = (s.name, tuple(sorted(s.labels.items())))
-                    if key in seen:  # the same series from two files: Prometheus would reject the scrape
-                        continue
-                    seen.add(key)
-                    into.samples.append(s)
-                if fam.name == cat.TRACKER_INFO.name and fam.samples:
-                    # the rank's identity labels, kept for its freshness series even if it dies
-                    labels = fam.samples[0].labels
-                    self._identity[rank] = {k: labels[k] for k in _ID_LABELS if k in labels}
-        out = list(merged.values())
+                for key, line in fam.samples:
+                    if key not in seen:  # the same series from two files: Prometheus would reject the scrape
+                        seen.add(key)
+                        into.samples.append((key, line))
+        out: list[str] = []
+        for fam in merged.values():
+            out.extend(fam.head)
+            out.extend(line for _, line in fam.samples)
+        return ("\n".join(out) + "\n").encode("utf-8") if out else b""
+
+    def _own_families(self) -> list[Metric]:
         now = self._clock()
         updated = GaugeMetricFamily(cat.SIDECAR_RANK_LAST_UPDATE.name, cat.SIDECAR_RANK_LAST_UPDATE.help,
                                     labels=None)
         stale = GaugeMetricFamily(cat.SIDECAR_RANK_STALE.name, cat.SIDECAR_RANK_STALE.help, labels=None)
-        for rank, mtime in fresh:
+        for rank in sorted(self._fresh):
+            mtime = self._fresh[rank]
             labels = {**self._identity.get(rank, {}), "rank": str(rank)}
             updated.add_sample(updated.name, labels, mtime)
             stale.add_sample(stale.name, labels, 1.0 if now - mtime > self.stale_seconds else 0.0)
@@ -155,94 +277,40 @@ class SidecarCollector:
                                      labels=list(cat.SIDECAR_READ_ERRORS_TOTAL.labels))
         for rank in sorted(self._read_errors):
             errors.add_metric([str(rank)], float(self._read_errors[rank]))
-        return out + [updated, stale, errors]
+        refused = CounterMetricFamily(cat.SIDECAR_REFUSED_FILES_TOTAL.name, cat.SIDECAR_REFUSED_FILES_TOTAL.help,
+                                      labels=list(cat.SIDECAR_REFUSED_FILES_TOTAL.labels))
+        for reason, n in sorted(self._refused.items()):
+            if n:
+                refused.add_metric([reason], float(n))
+        out = [updated, stale, errors, refused]
+        if self._readable is not None:
+            out.append(GaugeMetricFamily(cat.SIDECAR_DIRECTORY_READABLE.name, cat.SIDECAR_DIRECTORY_READABLE.help,
+                                         value=1.0 if self._readable else 0.0))
+        return out
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: SidecarServer
-    timeout = _CLIENT_TIMEOUT  # a client that stalls mid-request does not hold a thread forever
-    protocol_version = "HTTP/1.0"
+class _Families:
+    """A fixed list of families, as prometheus_client's generate_latest wants them."""
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        path = self.path.split("?", 1)[0]
-        if path == "/metrics":
-            try:
-                body = generate_latest(self.server.collector)
-            except Exception as exc:  # noqa: BLE001
-                logger.exception("fsdp_mem_otel serve: scrape failed")
-                self._send(500, f"scrape failed: {exc!r}\n".encode(), "text/plain; charset=utf-8")
-                return
-            self._send(200, body, CONTENT_TYPE)
-        elif path == "/":
-            self._send(200, b"fsdp-mem-otel sidecar: metrics at /metrics\n", "text/plain; charset=utf-8")
-        else:
-            self._send(404, b"not found; metrics at /metrics\n", "text/plain; charset=utf-8")
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
 
-    def _send(self, code: int, body: bytes, ctype: str) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
-        logger.debug("fsdp_mem_otel serve: " + format, *args)
-
-
-class SidecarServer(ThreadingHTTPServer):
-    """HTTP(S) server for a SidecarCollector. TLS handshakes run in the per-request thread."""
-
-    daemon_threads = True
-
-    def __init__(self, collector: SidecarCollector, addr: str, port: int,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
-        self.collector = collector
-        self.ssl_context = ssl_context
-        super().__init__((addr, port), _Handler)
-
-    @property
-    def port(self) -> int:
-        return int(self.server_address[1])
-
-    def finish_request(self, request: Any, client_address: Any) -> None:
-        if self.ssl_context is not None:
-            request.settimeout(_CLIENT_TIMEOUT)
-            try:
-                request = self.ssl_context.wrap_socket(request, server_side=True)
-            except (OSError, ssl.SSLError) as exc:  # bad or missing client certificate, plain HTTP
-                logger.debug("fsdp_mem_otel serve: TLS handshake with %s failed: %r", client_address, exc)
-                return
-        super().finish_request(request, client_address)
-
-    def start(self) -> threading.Thread:
-        """Serve in a daemon thread (stop with ``stop()``)."""
-        t = threading.Thread(target=self.serve_forever, name="fsdp-mem-otel-serve", daemon=True)
-        t.start()
-        return t
-
-    def stop(self) -> None:
-        self.shutdown()
-        self.server_close()
-
-
-def ssl_context(certfile: str, keyfile: str, client_cafile: str | None = None) -> ssl.SSLContext:
-    """Server TLS context; with ``client_cafile``, clients must present a certificate it signed."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(certfile=certfile, keyfile=keyfile)
-    if client_cafile is not None:
-        ctx.load_verify_locations(cafile=client_cafile)
-        ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
+    def collect(self) -> list[Metric]:
+        return self._families
 
 
 def make_server(directory: str, port: int, addr: str = "0.0.0.0", *, certfile: str | None = None,
                 keyfile: str | None = None, client_cafile: str | None = None,
-                stale_seconds: float = DEFAULT_STALE_SECONDS) -> SidecarServer:
+                stale_seconds: float = DEFAULT_STALE_SECONDS, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+                max_files: int = DEFAULT_MAX_FILES) -> MetricsServer:
     """A bound (not yet serving) sidecar server; call ``start()`` or ``serve_forever()``."""
     check_tls(certfile, keyfile, client_cafile, must_exist=False)
     ctx = ssl_context(certfile, keyfile, client_cafile) if certfile is not None and keyfile is not None else None
-    return SidecarServer(SidecarCollector(directory, stale_seconds), addr, port, ctx)
+    collector = SidecarCollector(directory, stale_seconds, max_file_bytes=max_file_bytes, max_files=max_files)
+    server = MetricsServer(collector.render, addr, port, ssl_context=ctx,
+                           banner=b"fsdp-mem-otel sidecar: metrics at /metrics\n")
+    server.collector = collector  # type: ignore[attr-defined]
+    return server
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -255,6 +323,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--client-cafile", help="require client certificates signed by this CA (mutual TLS)")
     p.add_argument("--stale-seconds", type=_positive_float, default=DEFAULT_STALE_SECONDS,
                    help=f"a rank whose file is older than this is flagged stale (default {DEFAULT_STALE_SECONDS:g})")
+    p.add_argument("--max-file-bytes", type=_positive_int, default=DEFAULT_MAX_FILE_BYTES,
+                   help=f"read at most this much of one rank file; larger ones are refused (default "
+                        f"{DEFAULT_MAX_FILE_BYTES})")
+    p.add_argument("--max-files", type=_positive_int, default=DEFAULT_MAX_FILES,
+                   help=f"serve at most this many rank files (default {DEFAULT_MAX_FILES})")
 
 
 def serve_main(argv: Sequence[str] | None = None) -> int:
@@ -270,7 +343,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         logger.warning("fsdp_mem_otel serve: %s does not exist yet; serving freshness once ranks write", args.dir)
     try:
         server = make_server(args.dir, args.port, args.addr, certfile=args.certfile, keyfile=args.keyfile,
-                             client_cafile=args.client_cafile, stale_seconds=args.stale_seconds)
+                             client_cafile=args.client_cafile, stale_seconds=args.stale_seconds,
+                             max_file_bytes=args.max_file_bytes, max_files=args.max_files)
     except (OSError, ssl.SSLError) as exc:
         print(f"fsdp-mem-otel serve: cannot listen on {args.addr}:{args.port}: {exc}", flush=True)
         return 1
@@ -286,7 +360,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        server.server_close()
+        server.stop(timeout=1.0)
     return 0
 
 
@@ -297,6 +371,16 @@ def _port(raw: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a port number, got {raw!r}") from None
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {value}")
+    return value
+
+
+def _positive_int(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {raw!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
     return value
 
 

@@ -12,9 +12,14 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
+try:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+except ImportError as _missing:
+    from fsdp_mem_otel import MISSING_TORCH
+
+    raise ImportError(MISSING_TORCH) from _missing
 
 from fsdp_mem_otel import env
 from fsdp_mem_otel.activations import SavedTensorAccounting

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -286,7 +287,6 @@ class PrometheusExporter:
         self._lock = threading.Lock()
         self._closed = False
         self._server: Any = None
-        self._server_thread: threading.Thread | None = None
         self._writer: _SidecarWriter | None = None
 
         if config.http:
@@ -328,12 +328,9 @@ class PrometheusExporter:
         server, self._server = self._server, None
         if server is not None:
             try:
-                server.shutdown()
-                server.server_close()
+                server.stop(timeout=2.0)
             except Exception as exc:  # noqa: BLE001
                 self._io_error("http-stop", exc)
-            if self._server_thread is not None:
-                self._server_thread.join(timeout=5.0)
 
     # -- internals ---------------------------------------------------------------------------
     def _render(self) -> bytes:
@@ -342,25 +339,24 @@ class PrometheusExporter:
         return generate_latest(self.collector)
 
     def _start_http(self, port: int, certfile: str | None, keyfile: str | None, client_cafile: str | None) -> None:
-        from prometheus_client import start_http_server
+        from fsdp_mem_otel.http_server import MetricsServer, ssl_context
 
         try:
-            server, thread = start_http_server(
-                port,
-                addr=self.addr,
-                registry=self.registry,
-                certfile=certfile,
-                keyfile=keyfile,
-                client_cafile=client_cafile,
-                client_auth_required=client_cafile is not None,
-            )
+            ctx = ssl_context(certfile, keyfile, client_cafile) if certfile is not None and keyfile is not None \
+                else None
+            server = MetricsServer(self._render_registry, self.addr, port, ssl_context=ctx,
+                                   banner=b"fsdp-mem-otel: metrics at /metrics\n")
+            server.start()
         except Exception as exc:  # noqa: BLE001 - e.g. port taken: training goes on without the endpoint
             self.failures.failed("the /metrics endpoint", exc,
                                  f"cannot serve Prometheus metrics on {self.addr}:{port} (no endpoint this run)")
             return
-        self._server, self._server_thread = server, thread
-        self.port = int(server.server_address[1])
+        self._server = server
+        self.port = server.port
         logger.info("fsdp_mem_otel: serving Prometheus metrics on %s:%d/metrics", self.addr, self.port)
+
+    def _render_registry(self) -> bytes:
+        return generate_latest(self.registry)
 
     def _io_error(self, where: str, exc: BaseException) -> None:
         self.failures.failed(where, exc)
@@ -382,6 +378,7 @@ class _SidecarWriter:
         self._failures = failures
         self._written = False
         self._ok = True
+        self._dir_checked = False
         self._worker: BackgroundWorker[int] = BackgroundWorker(
             "sidecar", self._write, failures, max_items=1, coalesce=True, idle=self._touch,
             idle_seconds=heartbeat_seconds)
@@ -406,6 +403,20 @@ class _SidecarWriter:
         except OSError as exc:
             self._failures.failed("heartbeat", exc, f"cannot touch {self.path}: {exc!r}")
 
+    def _tighten_directory(self) -> None:
+        # An existing directory (a Kubernetes emptyDir is 0777) would let other users read and
+        # replace the rank files: make it owner-only when it is ours, else say so once.
+        self._dir_checked = True
+        st = os.stat(self.directory)
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            if st.st_uid == os.geteuid():
+                os.chmod(self.directory, _DIR_MODE)
+            else:
+                self._failures.warn_once(
+                    "open directory", f"{self.directory} is open to other users and not this user's to tighten: "
+                    "other containers can read and replace the rank files; point sidecar_dir at a subdirectory "
+                    "(it is then created owner-only)")
+
     def _write(self, _: int) -> None:
         tmp = None
         try:
@@ -413,6 +424,8 @@ class _SidecarWriter:
             if not os.path.isdir(self.directory):
                 os.makedirs(self.directory, mode=_DIR_MODE, exist_ok=True)
                 os.chmod(self.directory, _DIR_MODE)  # makedirs' mode is filtered by the umask
+            elif not self._dir_checked:
+                self._tighten_directory()
             fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(self.path) + ".", suffix=".tmp",
                                        dir=self.directory)
             with os.fdopen(fd, "wb") as f:

@@ -259,7 +259,8 @@ def test_catalog_rules() -> None:
     assert cat.selector(cat.STEP_PEAK_BYTES, category="total") == 'fsdp_mem_step_peak_bytes{category="total"}'
     assert set(cat.all_names(cat.SCOPE_SIDECAR)) == {
         "fsdp_mem_sidecar_rank_last_update_timestamp_seconds", "fsdp_mem_sidecar_rank_stale",
-        "fsdp_mem_sidecar_read_errors_total"}
+        "fsdp_mem_sidecar_read_errors_total", "fsdp_mem_sidecar_refused_files_total",
+        "fsdp_mem_sidecar_directory_readable"}
     with pytest.raises(KeyError, match="unknown metric"):
         cat.metric("fsdp_mem_nope")
     with pytest.raises(ValueError, match="_total"):
