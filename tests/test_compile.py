@@ -69,12 +69,18 @@ def _build(variant: str) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
 
 def _train(variant: str, tracked: bool, deep_when_compiled: str = "skip") -> CompiledRun:
     import torch._dynamo
+    import torch._functorch.config
+    import torch._inductor.config
     from torch._dynamo.utils import counters
 
     from fsdp_mem_otel.config import TrackerConfig
 
     torch._dynamo.reset()
     counters.clear()
+    # every run compiles from scratch: with caches on, the second run of a process (or any run
+    # on a warm disk cache) hits what an earlier one saved, and dynamo's counters differ by that
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     rank = torch.distributed.get_rank()
     top, model, opt = _build(variant)
     tracker = None
