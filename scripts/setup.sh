@@ -20,6 +20,18 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test]"
+# .venv-torch2.14: the tracker's FSDP tests run a second time on torch 2.14.1 (a CUDA build that
+# also runs on CPU), the other end of the supported range; only what those tests import.
+[ -x .venv-torch2.14/bin/python ] || "$PY" -m venv .venv-torch2.14
+.venv-torch2.14/bin/python -m pip install -q --upgrade pip
+.venv-torch2.14/bin/python -m pip install -q "torch==2.14.1"
+.venv-torch2.14/bin/python -m pip install -q -e . "pytest>=8" "pytest-timeout>=2.3"
+# .venv-slim: a plain, non-editable install without torch, as in the sidecar image: serve,
+# report, rules and dashboards must work there (tests/test_slim_install.py).
+[ -x .venv-slim/bin/python ] || "$PY" -m venv .venv-slim
+.venv-slim/bin/python -m pip install -q --upgrade pip
+.venv-slim/bin/python -m pip install -q .
+.venv-slim/bin/python -m pip install -q --force-reinstall --no-deps .  # this checkout's code
 # TypeScript and @grafana/schema (pinned in the lockfile) to type-check the dashboards.
 if command -v npm >/dev/null 2>&1; then
   npm ci --prefix tools/grafana-schema --no-audit --no-fund --silent

@@ -11,8 +11,10 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -148,11 +150,14 @@ def test_training_container_gets_identity_from_the_downward_api() -> None:
     assert train["command"][0] == "torchrun"
 
 
+RANK_DIR = "/fsdp-mem-otel/ranks"
+
+
 def test_sidecar_serves_the_shared_directory_on_the_scraped_port() -> None:
     pod = _pod()["spec"]
     sidecar = next(c for c in pod["initContainers"] if c["name"] == "fsdp-mem-otel")
     assert sidecar["restartPolicy"] == "Always"  # native sidecar: the pod completes with training
-    assert sidecar["command"][:6] == ["fsdp-mem-otel", "serve", "--dir", "/fsdp-mem-otel", "--port", "9400"]
+    assert sidecar["command"][:6] == ["fsdp-mem-otel", "serve", "--dir", RANK_DIR, "--port", "9400"]
     assert {"name": "metrics", "containerPort": 9400, "protocol": "TCP"} in sidecar["ports"]
     train = next(c for c in pod["containers"] if c["name"] == "pytorch")
     vol = {v["name"]: v for v in pod["volumes"]}
@@ -160,6 +165,14 @@ def test_sidecar_serves_the_shared_directory_on_the_scraped_port() -> None:
     shared &= {(m["name"], m["mountPath"]) for m in train["volumeMounts"]}
     assert shared == {("fsdp-mem-otel", "/fsdp-mem-otel")}
     assert "emptyDir" in vol["fsdp-mem-otel"]
+    # training writes where serve reads: a subdirectory of the open emptyDir, created owner-only
+    train_env = {e["name"]: e.get("value") for e in train["env"]}
+    assert train_env["FSDP_MEM_OTEL_SIDECAR_DIR"] == RANK_DIR
+    assert train_env["FSDP_MEM_OTEL_PROMETHEUS"] == "0"
+    assert os.path.dirname(RANK_DIR) == "/fsdp-mem-otel"
+    # ... and serve runs as the training user, the only one that can read it
+    assert pod["securityContext"]["runAsUser"] == 1000
+    assert "runAsUser" not in sidecar.get("securityContext", {})
 
     pm = _one("PodMonitor")["spec"]
     labels = _pod()["metadata"]["labels"]
@@ -220,3 +233,17 @@ def test_yamllint_passes_on_deploy() -> None:
     out = subprocess.run([sys.executable, "-m", "yamllint", "--strict", "-c", str(ROOT / "deploy" / ".yamllint"),
                           str(ROOT / "deploy")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_sidecar_image_installs_the_released_package_without_torch() -> None:
+    dockerfile = (ROOT / "deploy" / "docker" / "Dockerfile").read_text()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    install = next(line for line in dockerfile.splitlines() if line.startswith("RUN pip install"))
+    version = project["version"]
+    assert f'"fsdp-mem-otel=={version}"' in install and "[" not in install  # no torch extra
+    assert not any(dep.startswith("torch") for dep in project["dependencies"])
+    assert "USER 1000:1000" in dockerfile.splitlines()
+    sidecar = next(c for c in _pod()["spec"]["initContainers"] if c["name"] == "fsdp-mem-otel")
+    assert sidecar["image"].endswith(":" + version)
+    cmd = json.loads(next(line for line in dockerfile.splitlines() if line.startswith("CMD "))[4:])
+    assert cmd[:3] == ["serve", "--dir", RANK_DIR]
