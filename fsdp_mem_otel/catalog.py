@@ -10,7 +10,10 @@ of ``Identity.labels()`` (``job_name``, ``rank``, ``local_rank``, ``world_size``
 
 Cardinality: by default at most ``MAX_SERIES_PER_MODULE`` series per FSDP module and at most
 ``MAX_OTHER_SERIES`` other series per rank. ``detail=True`` adds module x state x device x
-category bytes (``SCOPE_DETAIL``), which is opt-in because it grows as modules x 144 x devices.
+category bytes (``SCOPE_DETAIL``), which is opt-in and capped: only the ``detail_top_k``
+(default ``DEFAULT_DETAIL_TOP_K``) modules with the largest peaks get them, 144 series per module
+and device (12 states x 12 categories); how many modules were left out is exported
+(``DETAIL_MODULES_OMITTED``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ OPTIONAL_IDENTITY_LABELS: tuple[str, ...] = ("pod", "namespace")
 
 MAX_SERIES_PER_MODULE = 3
 MAX_OTHER_SERIES = 100
+#: modules with detail series by default (detail=True): the largest peaks first
+DEFAULT_DETAIL_TOP_K = 8
+#: detail series per module and device: 12 states x 12 categories
+DETAIL_SERIES_PER_MODULE_DEVICE = 144
 
 #: values of the ``phase`` label of module peaks
 PHASES: tuple[str, ...] = ("forward", "backward")
@@ -292,6 +299,13 @@ MODULE_STATE_BYTES = Metric(
     ("module", "state", "device", "category"), scope=SCOPE_DETAIL, source="modules",
 )
 
+DETAIL_MODULES_OMITTED = Metric(
+    "fsdp_mem_detail_modules_omitted", GAUGE, "",
+    "FSDP modules of the last step without detail series (the detail budget keeps the top-K modules by peak); "
+    "detail=True only.",
+    (), scope=SCOPE_DETAIL,
+)
+
 # -- sidecar (fsdp-mem-otel serve) -------------------------------------------------------------
 SIDECAR_RANK_LAST_UPDATE = Metric(
     "fsdp_mem_sidecar_rank_last_update_timestamp_seconds", GAUGE, SECONDS,
@@ -340,6 +354,7 @@ METRICS: tuple[Metric, ...] = (
     MODULE_PEAK_BYTES,
     MODULE_FORWARD_SECONDS,
     MODULE_STATE_BYTES,
+    DETAIL_MODULES_OMITTED,
     SIDECAR_RANK_LAST_UPDATE,
     SIDECAR_RANK_STALE,
     SIDECAR_READ_ERRORS_TOTAL,

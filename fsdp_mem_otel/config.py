@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from typing import TypeVar
 
 from fsdp_mem_otel import env
+from fsdp_mem_otel.catalog import DEFAULT_DETAIL_TOP_K
 from fsdp_mem_otel.checks import (
     check_bool,
     check_int,
@@ -109,6 +110,7 @@ EXPORT_ENV_FIELDS = {
     env.FSDP_MEM_OTEL_TLS_KEYFILE: "tls_keyfile",
     env.FSDP_MEM_OTEL_TLS_CLIENT_CAFILE: "tls_client_cafile",
     env.FSDP_MEM_OTEL_DETAIL: "detail",
+    env.FSDP_MEM_OTEL_DETAIL_TOP_K: "detail_top_k",
     env.FSDP_MEM_OTEL_SIDECAR_DIR: "sidecar_dir",
     env.FSDP_MEM_OTEL_JSONL: "jsonl",
     env.FSDP_MEM_OTEL_SPANS_EVERY: "spans_every",
@@ -127,6 +129,7 @@ class PrometheusConfig:
         certfile, keyfile: HTTPS with this certificate and key (both or neither).
         client_cafile: with them, require client certificates signed by this CA (mutual TLS).
         detail: also export module x state x device x category bytes (many series; opt-in).
+        detail_top_k: with ``detail``, only the K modules with the largest peaks get them.
         sidecar_dir: also write each step's exposition to ``<sidecar_dir>/rank-<rank>.prom``.
         heartbeat_seconds: refresh the sidecar file's time this often between steps.
     """
@@ -139,6 +142,7 @@ class PrometheusConfig:
     keyfile: str | None = None
     client_cafile: str | None = None
     detail: bool = False
+    detail_top_k: int = DEFAULT_DETAIL_TOP_K
     sidecar_dir: str | None = None
     heartbeat_seconds: float = 10.0
 
@@ -149,6 +153,7 @@ class PrometheusConfig:
         check_text("addr", self.addr)
         check_tls(self.certfile, self.keyfile, self.client_cafile, must_exist=False)
         check_bool("detail", self.detail)
+        check_int("detail_top_k", self.detail_top_k, 1)
         if self.sidecar_dir is not None and not isinstance(self.sidecar_dir, str | os.PathLike):
             raise TypeError(f"sidecar_dir must be a directory path or None; got {type(self.sidecar_dir).__name__}")
         check_seconds("heartbeat_seconds", self.heartbeat_seconds)
@@ -210,6 +215,7 @@ class ExportConfig:
         tls_certfile, tls_keyfile: HTTPS for the endpoint (both or neither).
         tls_client_cafile: with TLS, require client certificates signed by this CA.
         detail: also export module x state x category bytes.
+        detail_top_k: with ``detail``, the K modules with the largest peaks get them.
         sidecar_dir: write each step's exposition to ``<dir>/rank-<rank>.prom``.
         jsonl: path of the JSON-lines file; ``{rank}`` is replaced by the rank.
         spans_every: OpenTelemetry spans for step 1 and every Nth step (when an OTLP endpoint is set).
@@ -222,6 +228,7 @@ class ExportConfig:
     tls_keyfile: str | None = None
     tls_client_cafile: str | None = None
     detail: bool = False
+    detail_top_k: int = DEFAULT_DETAIL_TOP_K
     sidecar_dir: str | None = None
     jsonl: str | None = None
     spans_every: int = 1
@@ -242,7 +249,7 @@ class ExportConfig:
         return PrometheusConfig(
             http=self.prometheus, base_port=self.prometheus_port, addr=self.prometheus_addr,
             certfile=self.tls_certfile, keyfile=self.tls_keyfile, client_cafile=self.tls_client_cafile,
-            detail=self.detail, sidecar_dir=self.sidecar_dir,
+            detail=self.detail, detail_top_k=self.detail_top_k, sidecar_dir=self.sidecar_dir,
         )
 
     def jsonl_config(self, rank: int) -> JSONLConfig:

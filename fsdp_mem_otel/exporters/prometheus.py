@@ -30,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from fsdp_mem_otel import __version__
 from fsdp_mem_otel import catalog as cat
+from fsdp_mem_otel.checks import check_int
 from fsdp_mem_otel.config import DEFAULT_BASE_PORT, PrometheusConfig
 from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.identity import Identity
@@ -65,13 +66,17 @@ class StepReportCollector:
     reference swap and one addition under a lock).
     """
 
-    def __init__(self, identity: Identity, *, detail: bool = False, failures: FailureLog | None = None) -> None:
+    def __init__(self, identity: Identity, *, detail: bool = False, detail_top_k: int = cat.DEFAULT_DETAIL_TOP_K,
+                 failures: FailureLog | None = None) -> None:
         if not isinstance(identity, Identity):
             raise TypeError(f"identity must be an fsdp_mem_otel.identity.Identity; got {type(identity).__name__}")
         #: the owning exporter's failures (exported as errors_total{component="exporter"})
         self.failures = failures if failures is not None else FailureLog(logger, "Prometheus exporter")
         self.identity = identity
         self.detail = bool(detail)
+        check_int("detail_top_k", detail_top_k, 1)
+        #: with detail: the modules with the largest peaks that get detail series
+        self.detail_top_k = detail_top_k
         self._id_names = tuple(identity.labels())
         self._id_values = tuple(identity.labels().values())
         self._lock = threading.Lock()
@@ -187,6 +192,7 @@ class StepReportCollector:
         peak = _family(cat.MODULE_PEAK_BYTES, ids + cat.MODULE_PEAK_BYTES.labels)
         fwd = _family(cat.MODULE_FORWARD_SECONDS, ids + cat.MODULE_FORWARD_SECONDS.labels)
         detail = _family(cat.MODULE_STATE_BYTES, ids + cat.MODULE_STATE_BYTES.labels) if self.detail else None
+        detailed = _largest(report, order, self.detail_top_k) if self.detail else set()
         for key in order:
             mod = report.modules[key]
             peak_states: tuple[tuple[str, str], ...] = (("forward", PEAK_FORWARD), ("backward", PEAK_BACKWARD))
@@ -198,7 +204,7 @@ class StepReportCollector:
             if starts and ends:
                 seconds = sum(max(0, e - s) for s, e in zip(starts, ends, strict=False)) / 1e9
                 fwd.add_metric([*idv, key], seconds)
-            if detail is not None:
+            if detail is not None and key in detailed:
                 for state in STATES:
                     calls = mod.snapshots.get(state)
                     if not calls:
@@ -213,7 +219,22 @@ class StepReportCollector:
                     for dev in sorted(merged):
                         for c in CATEGORY_KEYS:
                             detail.add_metric([*idv, key, state, dev, c], float(merged[dev].get(c, 0)))
-        return [f for f in (peak, fwd, detail) if f is not None and f.samples]
+        families: list[Metric] = [f for f in (peak, fwd, detail) if f is not None and f.samples]
+        if self.detail:
+            omitted = _family(cat.DETAIL_MODULES_OMITTED, ids)
+            omitted.add_metric(list(idv), float(len(order) - len(detailed)))
+            families.append(omitted)
+        return families
+
+
+def _largest(report: StepReport, order: list[str], k: int) -> set[str]:
+    """The ``k`` modules with the largest forward/backward peak total (first in ``order`` on ties)."""
+    def peak(key: str) -> int:
+        mod = report.modules[key]
+        return max((mod.peak_total(s) for s in (PEAK_FORWARD, PEAK_BACKWARD) if mod.snapshots.get(s)), default=0)
+
+    ranked = sorted(range(len(order)), key=lambda i: (-peak(order[i]), i))
+    return {order[i] for i in ranked[:k]}
 
 
 class PrometheusExporter:
@@ -231,6 +252,9 @@ class PrometheusExporter:
         client_cafile: with certfile/keyfile, require client certificates signed by this CA
             (mutual TLS).
         detail: also export module x state x device x category bytes (many series; opt-in).
+        detail_top_k: with ``detail``, only the K modules with the largest peaks get them
+            (144 series per module and device); the others are counted in
+            ``fsdp_mem_detail_modules_omitted``.
         sidecar_dir: also write the exposition of every step to ``<sidecar_dir>/rank-<rank>.prom``
             (atomically; the directory is created with mode 0700 if missing).
         registry: register the collector here (default: a private ``CollectorRegistry``) and
@@ -257,6 +281,7 @@ class PrometheusExporter:
         keyfile: str | None = None,
         client_cafile: str | None = None,
         detail: bool = False,
+        detail_top_k: int = cat.DEFAULT_DETAIL_TOP_K,
         sidecar_dir: str | os.PathLike[str] | None = None,
         registry: CollectorRegistry | None = None,
         http: bool = True,
@@ -268,7 +293,7 @@ class PrometheusExporter:
         if config is None:
             config = PrometheusConfig(
                 http=http, port=port, base_port=base_port, addr=addr, certfile=certfile, keyfile=keyfile,
-                client_cafile=client_cafile, detail=detail,
+                client_cafile=client_cafile, detail=detail, detail_top_k=detail_top_k,
                 sidecar_dir=None if sidecar_dir is None else os.fspath(sidecar_dir),
                 heartbeat_seconds=heartbeat_seconds)
         elif not isinstance(config, PrometheusConfig):
@@ -278,7 +303,8 @@ class PrometheusExporter:
         self.config = config
         self.identity = identity
         self.failures = FailureLog(logger, "Prometheus exporter")
-        self.collector = StepReportCollector(identity, detail=config.detail, failures=self.failures)
+        self.collector = StepReportCollector(identity, detail=config.detail, detail_top_k=config.detail_top_k,
+                                             failures=self.failures)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.registry.register(self.collector)
         self.addr = config.addr

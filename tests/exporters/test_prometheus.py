@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import socket
 import stat
@@ -24,7 +25,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from fsdp_mem_otel import catalog as cat
 from fsdp_mem_otel.exporters.prometheus import PrometheusExporter, StepReportCollector
 from fsdp_mem_otel.identity import Identity
-from fsdp_mem_otel.schema import CATEGORY_KEYS, STATES, ModuleReport, StepAbort, StepReport
+from fsdp_mem_otel.schema import (
+    CATEGORY_KEYS,
+    PEAK_BACKWARD,
+    PEAK_FORWARD,
+    STATES,
+    ModuleReport,
+    StepAbort,
+    StepReport,
+)
 from tests.dist import run_ranks
 from tests.exporters import prom_workers
 
@@ -293,7 +302,34 @@ def test_cardinality_budget_100_modules() -> None:
     detailed = [line for line in exposition(big_report(100), detail=True).splitlines() if not line.startswith("#")]
     assert len(detailed) > len(per_module) + len(other)
     state_bytes = [line for line in detailed if line.startswith("fsdp_mem_module_state_bytes{")]
-    assert len(state_bytes) == 100 * len(STATES) * 2 * len(CATEGORY_KEYS)  # modules x states x devices x categories
+    # the detail budget: top-K modules x states x devices x categories
+    assert len(state_bytes) == cat.DEFAULT_DETAIL_TOP_K * len(STATES) * 2 * len(CATEGORY_KEYS)
+    assert value("\n".join(detailed), "fsdp_mem_detail_modules_omitted") == 100 - cat.DEFAULT_DETAIL_TOP_K
+
+
+def test_detail_keeps_the_modules_with_the_largest_peaks() -> None:
+    report = big_report(20)
+    rng = random.Random(7)
+    peaks = {}
+    for key, mod in report.modules.items():
+        fwd, bwd = rng.randrange(1, 10**6), rng.randrange(1, 10**6)
+        peaks[key] = max(fwd, bwd)
+        for state, total in ((PEAK_FORWARD, fwd), (PEAK_BACKWARD, bwd)):
+            mod.snapshots[state] = [{"cuda:0": {**b["cuda:0"], "total": total}, "cpu": b["cpu"]}
+                                    for b in mod.snapshots[state]]
+    for k in (1, 5, 20, 50):
+        registry = CollectorRegistry()
+        collector = StepReportCollector(IDENTITY, detail=True, detail_top_k=k)
+        registry.register(collector)
+        collector.update(report)
+        text = generate_latest(registry).decode()
+        detailed = {s.labels["module"] for s in samples(text) if s.name == "fsdp_mem_module_state_bytes"}
+        assert detailed == set(sorted(peaks, key=lambda key: -peaks[key])[:k])
+        assert value(text, "fsdp_mem_detail_modules_omitted") == max(0, 20 - k)
+        # the default series stay for every module
+        assert len({s.labels["module"] for s in samples(text) if s.name == "fsdp_mem_module_peak_bytes"}) == 20
+    with pytest.raises(ValueError, match="detail_top_k"):
+        StepReportCollector(IDENTITY, detail=True, detail_top_k=0)
 
 
 # -- exporter behaviour -------------------------------------------------------------------------
