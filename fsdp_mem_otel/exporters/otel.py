@@ -30,7 +30,12 @@ Where spans go (the first that applies):
 
 Sampling: ``spans_every=N`` exports step 1, then steps N, 2N, 3N, ... (the steps that
 ``deep_every=N`` runs deep, so the detailed steps get traces), and always a step that aborted
-(an OOM is the trace you want). The SDK sampler (``OTEL_TRACES_SAMPLER``) applies on top.
+(an OOM is the trace you want). Module spans and their state events (2M+1 spans and ~10M events
+for M FSDP modules) go only with step 1, every ``module_spans_every``-th step (default 100),
+deep steps and aborted steps; the other exported steps are the step span alone, with the
+step-level breakdown and ``fsdp.module_spans=false`` saying the budget left the modules out. At
+M=100 with the defaults that is about 3 spans and 7 KB of OTLP per step on average (tested in
+``tests/exporters/test_otel_budget.py``). The SDK sampler (``OTEL_TRACES_SAMPLER``) applies on top.
 
 Resource: ``service.name`` is the ``service_name`` argument if given, else ``OTEL_SERVICE_NAME``,
 else ``service.name`` from ``OTEL_RESOURCE_ATTRIBUTES``, else "fsdp-mem-otel". Other
@@ -62,6 +67,7 @@ fsdp.peak.<category>.bytes     step      step peak per category on ``fsdp.device
 fsdp.errors_total              step      tracker-internal errors so far
 fsdp.exporter.errors_total     step      this exporter's failures so far
 fsdp.tracker_overhead_seconds  step      time the tracker spent in this step
+fsdp.module_spans              step      whether this step's module spans were exported
 fsdp.aborted.error             step      exception type name or "IncompleteStep" (status ERROR)
 fsdp.aborted.oom, .module,     step      where the step stopped (see model.StepAbort)
 .state
@@ -103,7 +109,7 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from fsdp_mem_otel import __version__, env
-from fsdp_mem_otel.config import OTelConfig
+from fsdp_mem_otel.config import DEFAULT_MODULE_SPANS_EVERY, OTelConfig
 from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.identity import Identity
 from fsdp_mem_otel.schema import (
@@ -113,6 +119,7 @@ from fsdp_mem_otel.schema import (
     BEFORE_PRE_BACKWARD,
     BEFORE_PRE_FORWARD,
     CATEGORY_KEYS,
+    DEEP,
     FORWARD_STATES,
     PEAK_BACKWARD,
     PEAK_FORWARD,
@@ -152,6 +159,7 @@ ATTR_DEVICES = "fsdp.devices"
 ATTR_ERRORS = "fsdp.errors_total"
 ATTR_EXPORTER_ERRORS = "fsdp.exporter.errors_total"
 ATTR_OVERHEAD = "fsdp.tracker_overhead_seconds"
+ATTR_MODULE_SPANS = "fsdp.module_spans"
 ATTR_ABORTED_ERROR = "fsdp.aborted.error"
 ATTR_ABORTED_OOM = "fsdp.aborted.oom"
 ATTR_ABORTED_MODULE = "fsdp.aborted.module"
@@ -311,6 +319,8 @@ class OTelSpanExporter:
         span_exporter: where spans go (default: from the environment, see ``default_span_exporter``;
             None there means the exporter is off).
         spans_every: export step 1 and every Nth step (plus every aborted step); N >= 1.
+        module_spans_every: module spans (with their state events) on step 1, every Nth step,
+            deep and aborted steps; the other exported steps get the step span only. N >= 1.
         service_name: ``service.name``; None (default): OTEL_SERVICE_NAME, else ``service.name`` in
             OTEL_RESOURCE_ATTRIBUTES, else "fsdp-mem-otel". Given, it wins over both.
         export_timeout: seconds one OTLP export request may take (default: the
@@ -334,6 +344,7 @@ class OTelSpanExporter:
         *,
         span_exporter: SpanExporter | None = None,
         spans_every: int = 1,
+        module_spans_every: int = DEFAULT_MODULE_SPANS_EVERY,
         service_name: str | None = None,
         export_timeout: float | None = None,
         shutdown_timeout: float | None = None,
@@ -353,7 +364,8 @@ class OTelSpanExporter:
             )
         if config is None:
             config = OTelConfig(
-                spans_every=spans_every, service_name=service_name, export_timeout=export_timeout,
+                spans_every=spans_every, module_spans_every=module_spans_every, service_name=service_name,
+                export_timeout=export_timeout,
                 shutdown_timeout=shutdown_timeout, max_queue_size=max_queue_size,
                 schedule_delay_millis=schedule_delay_millis, max_export_batch_size=max_export_batch_size,
                 max_pending_steps=max_pending_steps)
@@ -366,6 +378,7 @@ class OTelSpanExporter:
         schedule_delay_millis = config.schedule_delay_millis
         self.identity = identity if identity is not None else Identity.from_env()
         self.spans_every = spans_every
+        self.module_spans_every = config.module_spans_every
         self.resource = build_resource(self.identity, service_name)
         self._errors = FailureLog(logger, "OTel exporter")
         self._shutdown_lock = threading.Lock()
@@ -417,6 +430,12 @@ class OTelSpanExporter:
         """Whether ``report``'s step is exported under ``spans_every``."""
         step = report.step
         return step == 1 or step % self.spans_every == 0 or report.aborted is not None
+
+    def wants_modules(self, report: StepReport) -> bool:
+        """Whether ``report``'s module spans go with its step span (``module_spans_every``)."""
+        step = report.step
+        return (step == 1 or step % self.module_spans_every == 0 or report.mode == DEEP
+                or report.aborted is not None)
 
     # -- Exporter protocol -------------------------------------------------------------------
     def export(self, report: StepReport) -> None:
@@ -497,13 +516,14 @@ class OTelSpanExporter:
         assert tracer is not None
         start = int(report.start_time_ns) or int(report.end_time_ns) or time.time_ns()
         end = max(int(report.end_time_ns) or time.time_ns(), start)
-        step_span = tracer.start_span(
-            SPAN_STEP, kind=SpanKind.INTERNAL, start_time=start, attributes=self._step_attributes(report)
-        )
+        with_modules = self.wants_modules(report)
+        attributes = self._step_attributes(report)
+        attributes[ATTR_MODULE_SPANS] = with_modules
+        step_span = tracer.start_span(SPAN_STEP, kind=SpanKind.INTERNAL, start_time=start, attributes=attributes)
         calls: list[_Call] = []
         try:
             step_ctx = trace.set_span_in_context(step_span)
-            calls = _calls(report, end)
+            calls = _calls(report, end) if with_modules else []
             for call in calls:  # sorted so a parent's span exists before its children's
                 parent = call.parent.span if call.parent is not None else None
                 ctx = step_ctx if parent is None else trace.set_span_in_context(parent)
@@ -517,7 +537,8 @@ class OTelSpanExporter:
                     attrs[_PEAK_ATTRS[TOTAL]] = max((c.get(TOTAL, 0) for c in peaks[call.index].values()), default=0)
                 call.span = tracer.start_span(name, context=ctx, kind=SpanKind.INTERNAL, start_time=call.start,
                                               attributes=attrs)
-            self._add_snapshot_events(report, calls, step_span)
+            if with_modules:
+                self._add_snapshot_events(report, calls, step_span)
             for dev, cats in report.peak.items():
                 step_span.add_event(EVENT_PEAK, {ATTR_DEVICE: dev, **_mem(cats)}, timestamp=end)
             if report.aborted is not None:

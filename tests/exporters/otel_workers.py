@@ -237,9 +237,9 @@ def train_all(otlp_url: str, down_url: str, hanging_url: str) -> dict[str, Any]:
     os.environ["NO_PROXY"] = "127.0.0.1,localhost"
     mem_all, mem_every2 = InMemorySpanExporter(), InMemorySpanExporter()
     exporters = [
-        OTelSpanExporter(span_exporter=mem_all),
-        OTelSpanExporter(span_exporter=mem_every2, spans_every=2),
-        _otlp_exporter(otlp_url),
+        OTelSpanExporter(span_exporter=mem_all, module_spans_every=1),
+        OTelSpanExporter(span_exporter=mem_every2, spans_every=2, module_spans_every=1),
+        _otlp_exporter(otlp_url, module_spans_every=1),
     ]
     out: dict[str, Any] = {"real": _train(exporters, STEPS)}
     out["real"]["otlp_type"] = type(exporters[2].span_exporter).__name__

@@ -85,6 +85,7 @@ def nested_report(step: int = 1, aborted: StepAbort | None = None) -> StepReport
 
 def export_spans(*reports: StepReport, **kwargs: Any) -> tuple[OTelSpanExporter, list[dict[str, Any]]]:
     mem = InMemorySpanExporter()
+    kwargs.setdefault("module_spans_every", 1)  # the layout tests look at every step's modules
     exp = OTelSpanExporter(IDENTITY, span_exporter=mem, **kwargs)
     for r in reports:
         exp.export(r)
@@ -145,7 +146,7 @@ def test_layout_parents_times_and_events() -> None:
     assert step["attributes"] == {
         "fsdp.step": 1, "fsdp.mode": "light", "fsdp.version": 2, "fsdp.errors_total": 3,
         "fsdp.exporter.errors_total": 0, "fsdp.tracker_overhead_seconds": 0.0, "fsdp.device": "cpu",
-        "fsdp.devices": ["cpu"], **{peak_attr(c): v for c, v in b(900)["cpu"].items()},
+        "fsdp.devices": ["cpu"], **{peak_attr(c): v for c, v in b(900)["cpu"].items()}, "fsdp.module_spans": True,
     }
     assert [e["name"] for e in step["events"]] == ["peak"]
     assert step["status"] == "UNSET"
@@ -221,6 +222,38 @@ def test_spans_every_and_aborted_steps() -> None:
     assert open_call["end"] == last["end"]
 
 
+def test_module_spans_on_first_sampled_deep_and_aborted_steps() -> None:
+    abort = StepAbort("OutOfMemoryError", "CUDA out of memory", True, "layers.0", "before_pre_backward", b(999))
+    reports = [nested_report(step) for step in range(1, 12)] + [nested_report(12, abort)]
+    reports[6].mode = "deep"  # step 7
+    _, spans = export_spans(*reports, module_spans_every=5)
+    _, every = export_spans(*reports, module_spans_every=1)
+
+    def traces(spans: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+        steps = {x["trace_id"]: x["attributes"]["fsdp.step"] for x in spans if x["name"] == "fsdp.step"}
+        out: dict[int, list[dict[str, Any]]] = {}
+        for x in spans:
+            out.setdefault(steps[x["trace_id"]], []).append(x)
+        return out
+
+    budgeted, full = traces(spans), traces(every)
+    assert sorted(budgeted) == list(range(1, 13))  # every step has its step span (spans_every=1)
+    with_modules = {1, 5, 7, 10, 12}  # first, every 5th, the deep one, the aborted one
+    for step, trace in budgeted.items():
+        span = next(x for x in trace if x["name"] == "fsdp.step")
+        assert span["attributes"]["fsdp.module_spans"] is (step in with_modules)
+        if step in with_modules:  # the whole layout, events included
+            assert sorted((x["name"], len(x["events"])) for x in trace) == sorted(
+                (x["name"], len(x["events"])) for x in full[step])
+            assert len(trace) > 1
+        else:  # the step-level breakdown stays, on the step span and its peak event
+            assert trace == [span]
+            assert span["attributes"][peak_attr("total")] == reports[step - 1].peak["cpu"]["total"]
+            assert [e["name"] for e in span["events"]] == ["peak"]
+    with pytest.raises(ValueError, match="module_spans_every"):
+        OTelSpanExporter(IDENTITY, module_spans_every=0)
+
+
 class Failing(SpanExporter):
     def __init__(self, how: str) -> None:
         self.how = how
@@ -239,7 +272,7 @@ class Failing(SpanExporter):
 @pytest.mark.parametrize("how", ["raise", "failure"])
 def test_failures_counted_never_raised(how: str, caplog: pytest.LogCaptureFixture) -> None:
     inner = Failing(how)
-    exp = OTelSpanExporter(IDENTITY, span_exporter=inner)
+    exp = OTelSpanExporter(IDENTITY, span_exporter=inner, module_spans_every=1)
     exp.export(nested_report(1))
     exp.export(nested_report(2))
     exp.export("not a report")  # type: ignore[arg-type]
