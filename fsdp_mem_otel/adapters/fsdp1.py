@@ -1,6 +1,9 @@
 """Adapter for FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``).
 
-Tested on torch 2.13.0 (CPU, gloo, 2 ranks) with ``use_orig_params`` True and False, FULL_SHARD,
+Tested on torch 2.13.0 and 2.14.1 (CI runs the FSDP tests on both; the package allows 2.11
+through 2.14, 2.11 and 2.12 untested; the runtime functions patched exist in both under the
+same names)
+(CPU, gloo, 2 ranks) with ``use_orig_params`` True and False, FULL_SHARD,
 SHARD_GRAD_OP and NO_SHARD, bf16 param mixed precision, and activation checkpointing applied
 inside and outside the FSDP wrappers.
 

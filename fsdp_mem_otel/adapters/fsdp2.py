@@ -1,4 +1,15 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``) adapter. Tested on torch 2.13.0.
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) adapter.
+
+Versions: CI runs the FSDP tests on torch 2.13.0 and 2.14.1; the package allows 2.11 through 2.14
+(2.11 and 2.12 untested). The FSDP2 sources of 2.13 and 2.14 differ (dtype handling of groups
+without trainable parameters, the forward unshard path), but every name read below exists in both. The private
+names it depends on are ``FSDPParamGroup.pre_backward/post_backward/unshard/wait_for_unshard/
+reshard``, ``FSDPParam.sharded_param/_unsharded_param/all_gather_outputs/
+_sharded_post_forward_param_data/unsharded_accumulated_grad``, ``_all_gather_result`` and
+``comm_ctx.reduce_scatter_states``; the optional ones (``_reduce_scatter_process_group``,
+``post_forward_mesh_info``, ``reduce_scatter_states``, ``_sharded_post_forward_param_data``) are
+read with a default, so a version without them loses that category's bytes, not the step; a
+missing wrapped method fails ``attach()``, which undoes itself and leaves training untracked.
 
 Hook points:
 - forward: four module hooks per FSDP module, two around FSDP's own pre-forward hook and two
