@@ -39,7 +39,9 @@ SCOPE_MODULE = "module"
 SCOPE_DETAIL = "detail"
 #: served by ``fsdp-mem-otel serve`` about the rank files it reads
 SCOPE_SIDECAR = "sidecar"
-SCOPES: tuple[str, ...] = (SCOPE_RANK, SCOPE_MODULE, SCOPE_DETAIL, SCOPE_SIDECAR)
+#: only with an estimate (``fsdp-mem-otel estimate``): 2 series per module and 12 others
+SCOPE_ESTIMATE = "estimate"
+SCOPES: tuple[str, ...] = (SCOPE_RANK, SCOPE_MODULE, SCOPE_DETAIL, SCOPE_SIDECAR, SCOPE_ESTIMATE)
 
 #: labels from Identity.labels() on every series of a rank (pod/namespace only when known)
 IDENTITY_LABELS: tuple[str, ...] = ("job_name", "rank", "local_rank", "world_size")
@@ -306,6 +308,18 @@ DETAIL_MODULES_OMITTED = Metric(
     (), scope=SCOPE_DETAIL,
 )
 
+# -- an estimate beside the measurement (PrometheusExporter(estimate=...)) ----------------------
+ESTIMATE_STEP_PEAK_BYTES = Metric(
+    "fsdp_mem_estimate_step_peak_bytes", GAUGE, BYTES,
+    "The estimate's bytes per category at its step peak (fsdp-mem-otel estimate), beside fsdp_mem_step_peak_bytes.",
+    ("category",), scope=SCOPE_ESTIMATE,
+)
+ESTIMATE_MODULE_PEAK_BYTES = Metric(
+    "fsdp_mem_estimate_module_peak_bytes", GAUGE, BYTES,
+    "The estimate's peak total during the module's forward or backward, beside fsdp_mem_module_peak_bytes.",
+    ("module", "phase"), scope=SCOPE_ESTIMATE,
+)
+
 # -- sidecar (fsdp-mem-otel serve) -------------------------------------------------------------
 SIDECAR_RANK_LAST_UPDATE = Metric(
     "fsdp_mem_sidecar_rank_last_update_timestamp_seconds", GAUGE, SECONDS,
@@ -355,6 +369,8 @@ METRICS: tuple[Metric, ...] = (
     MODULE_FORWARD_SECONDS,
     MODULE_STATE_BYTES,
     DETAIL_MODULES_OMITTED,
+    ESTIMATE_STEP_PEAK_BYTES,
+    ESTIMATE_MODULE_PEAK_BYTES,
     SIDECAR_RANK_LAST_UPDATE,
     SIDECAR_RANK_STALE,
     SIDECAR_READ_ERRORS_TOTAL,
@@ -391,9 +407,10 @@ def by_scope(scope: str | None = None) -> tuple[Metric, ...]:
     return tuple(m for m in METRICS if scope is None or m.scope == scope)
 
 
-def exported_names(detail: bool = False) -> tuple[str, ...]:
-    """Names a rank's exporter can emit (with ``detail`` when the detail metric is on)."""
-    scopes = (SCOPE_RANK, SCOPE_MODULE, SCOPE_DETAIL) if detail else (SCOPE_RANK, SCOPE_MODULE)
+def exported_names(detail: bool = False, estimate: bool = False) -> tuple[str, ...]:
+    """Names a rank's exporter can emit (``detail``: with the detail series, ``estimate``: with an
+    estimate given)."""
+    scopes = (SCOPE_RANK, SCOPE_MODULE) + ((SCOPE_DETAIL,) if detail else ()) + ((SCOPE_ESTIMATE,) if estimate else ())
     return tuple(m.name for m in METRICS if m.scope in scopes)
 
 

@@ -115,6 +115,7 @@ EXPORT_ENV_FIELDS = {
     env.FSDP_MEM_OTEL_TLS_CLIENT_CAFILE: "tls_client_cafile",
     env.FSDP_MEM_OTEL_DETAIL: "detail",
     env.FSDP_MEM_OTEL_DETAIL_TOP_K: "detail_top_k",
+    env.FSDP_MEM_OTEL_ESTIMATE: "estimate",
     env.FSDP_MEM_OTEL_SIDECAR_DIR: "sidecar_dir",
     env.FSDP_MEM_OTEL_JSONL: "jsonl",
     env.FSDP_MEM_OTEL_SPANS_EVERY: "spans_every",
@@ -136,6 +137,7 @@ class PrometheusConfig:
         detail: also export module x state x device x category bytes (many series; opt-in).
         detail_top_k: with ``detail``, only the K modules with the largest peaks get them.
         sidecar_dir: also write each step's exposition to ``<sidecar_dir>/rank-<rank>.prom``.
+        estimate: JSONL from ``fsdp-mem-otel estimate``, exported beside the measured figures.
         heartbeat_seconds: refresh the sidecar file's time this often between steps.
     """
 
@@ -149,6 +151,7 @@ class PrometheusConfig:
     detail: bool = False
     detail_top_k: int = DEFAULT_DETAIL_TOP_K
     sidecar_dir: str | None = None
+    estimate: str | None = None
     heartbeat_seconds: float = 10.0
 
     def __post_init__(self) -> None:
@@ -159,6 +162,7 @@ class PrometheusConfig:
         check_tls(self.certfile, self.keyfile, self.client_cafile, must_exist=False)
         check_bool("detail", self.detail)
         check_int("detail_top_k", self.detail_top_k, 1)
+        check_text("estimate", self.estimate, optional=True)
         if self.sidecar_dir is not None and not isinstance(self.sidecar_dir, str | os.PathLike):
             raise TypeError(f"sidecar_dir must be a directory path or None; got {type(self.sidecar_dir).__name__}")
         check_seconds("heartbeat_seconds", self.heartbeat_seconds)
@@ -223,6 +227,7 @@ class ExportConfig:
         tls_client_cafile: with TLS, require client certificates signed by this CA.
         detail: also export module x state x category bytes.
         detail_top_k: with ``detail``, the K modules with the largest peaks get them.
+        estimate: JSONL from ``fsdp-mem-otel estimate``, exported beside the measured figures.
         sidecar_dir: write each step's exposition to ``<dir>/rank-<rank>.prom``.
         jsonl: path of the JSON-lines file; ``{rank}`` is replaced by the rank.
         spans_every: OpenTelemetry spans for step 1 and every Nth step (when an OTLP endpoint is set).
@@ -238,6 +243,7 @@ class ExportConfig:
     detail: bool = False
     detail_top_k: int = DEFAULT_DETAIL_TOP_K
     sidecar_dir: str | None = None
+    estimate: str | None = None
     jsonl: str | None = None
     spans_every: int = 1
     module_spans_every: int = DEFAULT_MODULE_SPANS_EVERY
@@ -260,6 +266,7 @@ class ExportConfig:
             http=self.prometheus, base_port=self.prometheus_port, addr=self.prometheus_addr,
             certfile=self.tls_certfile, keyfile=self.tls_keyfile, client_cafile=self.tls_client_cafile,
             detail=self.detail, detail_top_k=self.detail_top_k, sidecar_dir=self.sidecar_dir,
+            estimate=self.estimate,
         )
 
     def jsonl_config(self, rank: int) -> JSONLConfig:

@@ -44,6 +44,7 @@ from fsdp_mem_otel.schema import (
     PEAK_BACKWARD,
     PEAK_FORWARD,
     STATES,
+    TOTAL,
     StepAbort,
     StepReport,
 )
@@ -85,6 +86,8 @@ class StepReportCollector:
         self._aborted = {"oom": 0, "error": 0}
         self._deep_skipped = dict.fromkeys(DEEP_SKIP_REASONS, 0)
         self._last_oom: tuple[float, StepAbort] | None = None
+        #: a StepReport from ``fsdp-mem-otel estimate``, exported beside each step's figures
+        self.estimate: StepReport | None = None
 
     # -- state -------------------------------------------------------------------------------
     def update(self, report: StepReport) -> None:
@@ -114,7 +117,7 @@ class StepReportCollector:
         return [
             _family(m, self._id_names + m.labels)
             for m in cat.METRICS
-            if m.scope in (cat.SCOPE_RANK, cat.SCOPE_MODULE) or (self.detail and m.scope == cat.SCOPE_DETAIL)
+            if m.name in cat.exported_names(self.detail, self.estimate is not None)
         ]
 
     def collect(self) -> Iterator[Metric]:
@@ -183,7 +186,23 @@ class StepReportCollector:
                     [((dev,), float(n)) for dev, n in sorted(abort.outside_pytorch_bytes.items())])
         if report is not None:
             out.extend(self._module_families(report))
+        if self.estimate is not None:
+            out.extend(self._estimate_families(self.estimate))
         return out
+
+    def _estimate_families(self, estimate: StepReport) -> list[Metric]:
+        ids, idv = self._id_names, self._id_values
+        step = _family(cat.ESTIMATE_STEP_PEAK_BYTES, ids + cat.ESTIMATE_STEP_PEAK_BYTES.labels)
+        if estimate.peak:  # the device with the largest peak: the one the estimate is about
+            dev = max(sorted(estimate.peak), key=lambda d: estimate.peak[d].get(TOTAL, 0))
+            for c in CATEGORY_KEYS:
+                step.add_metric([*idv, c], float(estimate.peak[dev].get(c, 0)))
+        modules = _family(cat.ESTIMATE_MODULE_PEAK_BYTES, ids + cat.ESTIMATE_MODULE_PEAK_BYTES.labels)
+        for key, mod in sorted(estimate.modules.items()):
+            for phase, state in (("forward", PEAK_FORWARD), ("backward", PEAK_BACKWARD)):
+                if mod.snapshots.get(state):
+                    modules.add_metric([*idv, key, phase], float(mod.peak_total(state)))
+        return [f for f in (step, modules) if f.samples]
 
     def _module_families(self, report: StepReport) -> list[Metric]:
         ids, idv = self._id_names, self._id_values
@@ -255,6 +274,10 @@ class PrometheusExporter:
         detail_top_k: with ``detail``, only the K modules with the largest peaks get them
             (144 series per module and device); the others are counted in
             ``fsdp_mem_detail_modules_omitted``.
+        estimate: a StepReport, or the JSONL file ``fsdp-mem-otel estimate`` wrote (this rank's
+            report there, else its last one), exported beside every step's figures as
+            ``fsdp_mem_estimate_step_peak_bytes`` and ``fsdp_mem_estimate_module_peak_bytes``.
+            A file that cannot be read is logged and counted; the exporter runs without it.
         sidecar_dir: also write the exposition of every step to ``<sidecar_dir>/rank-<rank>.prom``
             (atomically; the directory is created with mode 0700 if missing).
         registry: register the collector here (default: a private ``CollectorRegistry``) and
@@ -283,6 +306,7 @@ class PrometheusExporter:
         detail: bool = False,
         detail_top_k: int = cat.DEFAULT_DETAIL_TOP_K,
         sidecar_dir: str | os.PathLike[str] | None = None,
+        estimate: str | os.PathLike[str] | StepReport | None = None,
         registry: CollectorRegistry | None = None,
         http: bool = True,
         heartbeat_seconds: float = 10.0,
@@ -295,6 +319,7 @@ class PrometheusExporter:
                 http=http, port=port, base_port=base_port, addr=addr, certfile=certfile, keyfile=keyfile,
                 client_cafile=client_cafile, detail=detail, detail_top_k=detail_top_k,
                 sidecar_dir=None if sidecar_dir is None else os.fspath(sidecar_dir),
+                estimate=None if estimate is None or isinstance(estimate, StepReport) else os.fspath(estimate),
                 heartbeat_seconds=heartbeat_seconds)
         elif not isinstance(config, PrometheusConfig):
             raise TypeError(f"config must be a PrometheusConfig or None; got {type(config).__name__}")
@@ -305,6 +330,10 @@ class PrometheusExporter:
         self.failures = FailureLog(logger, "Prometheus exporter")
         self.collector = StepReportCollector(identity, detail=config.detail, detail_top_k=config.detail_top_k,
                                              failures=self.failures)
+        if isinstance(estimate, StepReport):
+            self.collector.estimate = estimate
+        elif config.estimate is not None:
+            self.collector.estimate = self._load_estimate(config.estimate, identity.rank)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.registry.register(self.collector)
         self.addr = config.addr
@@ -323,6 +352,19 @@ class PrometheusExporter:
             self.sidecar_path = os.path.join(directory, rank_file_name(identity.rank))
             self._writer = _SidecarWriter(directory, self.sidecar_path, self._render, self.failures,
                                           config.heartbeat_seconds)
+
+    def _load_estimate(self, path: str, rank: int) -> StepReport | None:
+        from fsdp_mem_otel.jsonl_format import read_reports
+
+        try:
+            reports = list(read_reports(path))
+            if not reports:
+                raise ValueError("no step report in it")
+        except (OSError, ValueError) as exc:
+            self.failures.failed("reading the estimate", exc, f"estimate {path!r} not used: {exc}")
+            return None
+        mine = [r for r in reports if r.rank == rank]
+        return (mine or reports)[-1]
 
     @property
     def errors_total(self) -> int:

@@ -28,6 +28,7 @@ from referencing import Registry, Resource
 
 from fsdp_mem_otel import alerts
 from fsdp_mem_otel import catalog as cat
+from fsdp_mem_otel.schema import CATEGORY_KEYS
 from tests.exporters.test_prometheus import big_report, exposition, samples
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,13 +188,18 @@ def test_sample_limit_follows_the_cardinality_budget() -> None:
     # FSDP_MEM_OTEL_DETAIL=1 with the default top-K, on an accelerator and the CPU (optimizer
     # step scalars), plus the omitted-modules gauge
     detail = cat.DEFAULT_DETAIL_TOP_K * cat.DETAIL_SERIES_PER_MODULE_DEVICE * BUDGET_DEVICES + 1
-    per_rank = cat.MAX_SERIES_PER_MODULE * BUDGET_MODULES + cat.MAX_OTHER_SERIES + detail
+    # FSDP_MEM_OTEL_ESTIMATE: a module's forward and backward peak, and the step peak's categories
+    estimate = 2 * BUDGET_MODULES + len(CATEGORY_KEYS)
+    per_rank = cat.MAX_SERIES_PER_MODULE * BUDGET_MODULES + cat.MAX_OTHER_SERIES + detail + estimate
     per_pod = RANKS_PER_POD * (per_rank + sidecar_per_rank)
     expected = math.ceil(per_pod * HEADROOM / 500) * 500
     assert sidecar_per_rank > 0
-    # the budget holds for a real exposition: 256 modules, two devices, every state, detail on
-    text = exposition(big_report(BUDGET_MODULES), detail=True)
+    # the budget holds for a real exposition: 256 modules, two devices, every state, detail and
+    # an estimate of the same model on
+    big = big_report(BUDGET_MODULES)
+    text = exposition(big, detail=True, estimate=big)
     assert len(samples(text)) <= per_rank
+    assert any(s.name == "fsdp_mem_estimate_module_peak_bytes" for s in samples(text))
     assert _one("PodMonitor")["spec"]["sampleLimit"] == expected
     nproc = _one("PyTorchJob")["spec"]["nprocPerNode"]
     assert int(nproc) == RANKS_PER_POD

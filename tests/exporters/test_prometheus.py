@@ -82,9 +82,11 @@ def big_report(n_modules: int = 100) -> StepReport:
                       module_order=keys, current=b, allocator=alloc, aborted=oom)
 
 
-def exposition(report: StepReport | None, identity: Identity = IDENTITY, detail: bool = False) -> str:
+def exposition(report: StepReport | None, identity: Identity = IDENTITY, detail: bool = False,
+               estimate: StepReport | None = None) -> str:
     registry = CollectorRegistry()
     collector = StepReportCollector(identity, detail=detail)
+    collector.estimate = estimate
     registry.register(collector)
     if report is not None:
         collector.update(report)
