@@ -29,15 +29,15 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
-def check_seconds(name: str, value: object, optional: bool = False) -> float | None:
-    """A number of seconds > 0 (or None when ``optional``)."""
+def check_seconds(name: str, value: object, optional: bool = False, zero: bool = False) -> float | None:
+    """A number of seconds > 0 (>= 0 with ``zero``; or None when ``optional``)."""
     if value is None and optional:
         return None
+    accepted = f"a number of seconds {'>=' if zero else '>'} 0{' or None' if optional else ''}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number of seconds > 0{' or None' if optional else ''}; "
-                        f"got {type(value).__name__} {value!r}")
-    if not value > 0:
-        raise ValueError(f"{name} must be a number of seconds > 0{' or None' if optional else ''}; got {value!r}")
+        raise TypeError(f"{name} must be {accepted}; got {type(value).__name__} {value!r}")
+    if not (value >= 0 if zero else value > 0):
+        raise ValueError(f"{name} must be {accepted}; got {value!r}")
     return float(value)
 
 

@@ -44,6 +44,9 @@ DEFAULT_BASE_PORT = 9400
 #: step with module spans is ~200 spans and ~0.5 MB of OTLP, one in 100 keeps the average near
 #: 3 spans and 7 KB per step; the step span (step-level breakdown) goes every exported step
 DEFAULT_MODULE_SPANS_EVERY = 100
+#: seconds between sidecar file rewrites at most: rendering costs a few ms at 100 modules, and
+#: Prometheus reads the file once per scrape interval (30 s in the example), not every step
+DEFAULT_SIDECAR_INTERVAL = 5.0
 _C = TypeVar("_C")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -117,6 +120,7 @@ EXPORT_ENV_FIELDS = {
     env.FSDP_MEM_OTEL_DETAIL_TOP_K: "detail_top_k",
     env.FSDP_MEM_OTEL_ESTIMATE: "estimate",
     env.FSDP_MEM_OTEL_SIDECAR_DIR: "sidecar_dir",
+    env.FSDP_MEM_OTEL_SIDECAR_INTERVAL: "sidecar_interval_seconds",
     env.FSDP_MEM_OTEL_JSONL: "jsonl",
     env.FSDP_MEM_OTEL_SPANS_EVERY: "spans_every",
     env.FSDP_MEM_OTEL_MODULE_SPANS_EVERY: "module_spans_every",
@@ -139,6 +143,7 @@ class PrometheusConfig:
         sidecar_dir: also write each step's exposition to ``<sidecar_dir>/rank-<rank>.prom``.
         estimate: JSONL from ``fsdp-mem-otel estimate``, exported beside the measured figures.
         heartbeat_seconds: refresh the sidecar file's time this often between steps.
+        sidecar_interval_seconds: rewrite the sidecar file at most this often (0: every step).
     """
 
     http: bool = True
@@ -153,6 +158,7 @@ class PrometheusConfig:
     sidecar_dir: str | None = None
     estimate: str | None = None
     heartbeat_seconds: float = 10.0
+    sidecar_interval_seconds: float = DEFAULT_SIDECAR_INTERVAL
 
     def __post_init__(self) -> None:
         check_bool("http", self.http)
@@ -166,6 +172,7 @@ class PrometheusConfig:
         if self.sidecar_dir is not None and not isinstance(self.sidecar_dir, str | os.PathLike):
             raise TypeError(f"sidecar_dir must be a directory path or None; got {type(self.sidecar_dir).__name__}")
         check_seconds("heartbeat_seconds", self.heartbeat_seconds)
+        check_seconds("sidecar_interval_seconds", self.sidecar_interval_seconds, zero=True)
 
 
 @dataclass(frozen=True)
@@ -229,6 +236,7 @@ class ExportConfig:
         detail_top_k: with ``detail``, the K modules with the largest peaks get them.
         estimate: JSONL from ``fsdp-mem-otel estimate``, exported beside the measured figures.
         sidecar_dir: write each step's exposition to ``<dir>/rank-<rank>.prom``.
+        sidecar_interval_seconds: at most this often (the newest step; 0: every step).
         jsonl: path of the JSON-lines file; ``{rank}`` is replaced by the rank.
         spans_every: OpenTelemetry spans for step 1 and every Nth step (when an OTLP endpoint is set).
         module_spans_every: module spans on step 1, every Nth, deep and aborted steps.
@@ -243,6 +251,7 @@ class ExportConfig:
     detail: bool = False
     detail_top_k: int = DEFAULT_DETAIL_TOP_K
     sidecar_dir: str | None = None
+    sidecar_interval_seconds: float = DEFAULT_SIDECAR_INTERVAL
     estimate: str | None = None
     jsonl: str | None = None
     spans_every: int = 1
@@ -266,7 +275,7 @@ class ExportConfig:
             http=self.prometheus, base_port=self.prometheus_port, addr=self.prometheus_addr,
             certfile=self.tls_certfile, keyfile=self.tls_keyfile, client_cafile=self.tls_client_cafile,
             detail=self.detail, detail_top_k=self.detail_top_k, sidecar_dir=self.sidecar_dir,
-            estimate=self.estimate,
+            estimate=self.estimate, sidecar_interval_seconds=self.sidecar_interval_seconds,
         )
 
     def jsonl_config(self, rank: int) -> JSONLConfig:
@@ -316,4 +325,9 @@ def _parse(cls: type, var: str, name: str, raw: str) -> object:
             return int(raw)
         except ValueError:
             raise ValueError(f"{var} must be an integer; got {raw!r}") from None
+    if isinstance(default, float):
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{var} must be a number; got {raw!r}") from None
     return raw.strip()

@@ -161,6 +161,11 @@ class BackgroundWorker(Generic[T]):
     def waiting(self) -> int:
         return len(self._queue)
 
+    @property
+    def closing(self) -> bool:
+        """``shutdown()`` has begun (here, at exit or on SIGTERM): a handler should not dawdle."""
+        return self._closing
+
     # -- the thread's side ------------------------------------------------------------------------
     def _over_budget(self) -> bool:
         return (self._max_items is not None and len(self._queue) > self._max_items) or (

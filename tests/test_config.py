@@ -66,3 +66,12 @@ def test_export_config_from_env_and_validation(tmp_path) -> None:  # type: ignor
         ExportConfig(tls_certfile=str(tmp_path / "missing.pem"), tls_keyfile=str(tmp_path / "k.pem"))
     with pytest.raises(ValueError, match="spans_every must be an integer >= 1"):
         ExportConfig(spans_every=0)
+    budgets = ExportConfig.from_env({"FSDP_MEM_OTEL_SIDECAR_INTERVAL": "0.5", "FSDP_MEM_OTEL_DETAIL_TOP_K": "3",
+                                     "FSDP_MEM_OTEL_MODULE_SPANS_EVERY": "7", "FSDP_MEM_OTEL_ESTIMATE": "e.jsonl"})
+    prom = budgets.prometheus_config()
+    assert (prom.sidecar_interval_seconds, prom.detail_top_k, prom.estimate) == (0.5, 3, "e.jsonl")
+    assert budgets.otel_config().module_spans_every == 7
+    with pytest.raises(ValueError, match="FSDP_MEM_OTEL_SIDECAR_INTERVAL must be a number"):
+        ExportConfig.from_env({"FSDP_MEM_OTEL_SIDECAR_INTERVAL": "soon"})
+    with pytest.raises(ValueError, match="detail_top_k must be an integer >= 1"):
+        ExportConfig.from_env({"FSDP_MEM_OTEL_DETAIL_TOP_K": "0"})

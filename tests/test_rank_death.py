@@ -31,7 +31,7 @@ def _rank(rank: int, port: int, metrics_port: int, sidecar: str, progress: str) 
     dist.init_process_group("gloo", rank=rank, world_size=2)
     model, opt = build(2, 32, WrapOptions(fsdp=2))
     exporter = PrometheusExporter(base_port=metrics_port, addr="127.0.0.1", sidecar_dir=sidecar,
-                                  heartbeat_seconds=0.5)
+                                  heartbeat_seconds=0.5, sidecar_interval_seconds=0.2)
     tracker = FSDPMemoryTracker(model, opt, exporters=[exporter]).attach()
     step = 0
     try:
@@ -78,6 +78,10 @@ def test_killed_rank_goes_stale_and_survivor_keeps_answering(tmp_path: Path) -> 
         threading.Thread(target=server.serve_forever, daemon=True).start()
         sidecar_url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
         before = _scrape(sidecar_url)
+        while _value(before, "fsdp_mem_steps_total", 1) < 3:  # rank files are rewritten every 0.2 s at most
+            assert time.monotonic() < deadline, "rank 1's file never reached step 3"
+            time.sleep(0.1)
+            before = _scrape(sidecar_url)
         assert _value(before, "fsdp_mem_sidecar_rank_stale", 0) == 0
         assert _value(before, "fsdp_mem_sidecar_rank_stale", 1) == 0
 

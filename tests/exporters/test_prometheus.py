@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -551,3 +552,40 @@ def test_real_sidecar_merges_ranks_and_flags_the_silent_one(real_run: dict[str, 
     assert stat.S_IMODE(os.stat(real_run["dir"]).st_mode) == 0o700
 
 
+
+
+def test_sidecar_rewrites_at_most_every_interval_but_aborts_and_shutdown_at_once(tmp_path: Path) -> None:
+    exp = PrometheusExporter(IDENTITY, http=False, sidecar_dir=tmp_path, sidecar_interval_seconds=30)
+    rank_file = tmp_path / "rank-1.prom"
+
+    def step(n: int, aborted: bool = False) -> None:
+        report = small_report()
+        report.step = n
+        if aborted:
+            report.aborted = StepAbort("OutOfMemoryError", "CUDA out of memory", True, "layers.0", "after_pre_forward",
+                                       report.peak)
+        exp.export(report)
+
+    def written() -> float:
+        return value(rank_file.read_text(), "fsdp_mem_steps_total")
+
+    def wait_for(n: float) -> float:
+        deadline = time.monotonic() + 5
+        while written() != n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return written()
+
+    step(1)
+    assert exp.flush(timeout=5) and written() == 1
+    for n in range(2, 11):  # a burst inside the interval: not written yet
+        step(n)
+    time.sleep(0.5)
+    assert written() == 1
+    step(11, aborted=True)  # an aborted step is written at once (the process may be about to die)
+    assert wait_for(11) == 11
+    step(12)
+    t0 = time.monotonic()
+    exp.shutdown()  # the last step is written on shutdown, without waiting out the interval
+    assert time.monotonic() - t0 < 5 and written() == 12
+    with pytest.raises(ValueError, match="sidecar_interval_seconds"):
+        PrometheusExporter(IDENTITY, http=False, sidecar_dir=tmp_path, sidecar_interval_seconds=-1)
