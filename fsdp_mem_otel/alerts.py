@@ -48,8 +48,25 @@ REC_JOB_PEAK_MAX = "namespace_job_name:fsdp_mem_step_peak_bytes:max"
 REC_JOB_PEAK_MIN = "namespace_job_name:fsdp_mem_step_peak_bytes:min"
 REC_JOB_RANK_SKEW = "namespace_job_name:fsdp_mem_step_peak_bytes:rank_skew_ratio"
 REC_DEVICE_RATIO = "namespace_job_name_rank_device:fsdp_mem_step_peak_bytes:device_total_ratio"
+#: per job x category: the largest step-peak bytes of the category over the job's ranks
+REC_JOB_CATEGORY_PEAK = "namespace_job_name_category:fsdp_mem_step_peak_bytes:max"
+#: per job x module x phase: the module's peak over the ranks ...
+REC_JOB_MODULE_PEAK = "namespace_job_name_module_phase:fsdp_mem_module_peak_bytes:max"
+#: ... and the same with the ``rank`` that holds it (one rank per module and phase)
+REC_JOB_MODULE_PEAK_RANK = "namespace_job_name_module_phase_rank:fsdp_mem_module_peak_bytes:topk1"
+#: per job x module x phase: (max - min) / max over the ranks
+REC_JOB_MODULE_SKEW = "namespace_job_name_module_phase:fsdp_mem_module_peak_bytes:rank_skew_ratio"
 RECORDING_NAMES: tuple[str, ...] = (REC_RANK_PEAK, REC_JOB_PEAK_MAX, REC_JOB_PEAK_MIN, REC_JOB_RANK_SKEW,
-                                    REC_DEVICE_RATIO)
+                                    REC_DEVICE_RATIO, REC_JOB_CATEGORY_PEAK, REC_JOB_MODULE_PEAK,
+                                    REC_JOB_MODULE_PEAK_RANK, REC_JOB_MODULE_SKEW)
+#: labels a job x module series keeps
+MODULE = (*JOB, "module", "phase")
+#: every recorded series and the labels it keeps (dashboards read these for fleet-wide panels)
+RECORDED_LABELS: dict[str, tuple[str, ...]] = {
+    REC_RANK_PEAK: RANK, REC_JOB_PEAK_MAX: JOB, REC_JOB_PEAK_MIN: JOB, REC_JOB_RANK_SKEW: JOB,
+    REC_DEVICE_RATIO: (*RANK, "device"), REC_JOB_CATEGORY_PEAK: (*JOB, "category"), REC_JOB_MODULE_PEAK: MODULE,
+    REC_JOB_MODULE_PEAK_RANK: (*MODULE, "rank"), REC_JOB_MODULE_SKEW: MODULE,
+}
 
 _DURATION_RE = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
 
@@ -107,9 +124,13 @@ def _num(x: float) -> str:
 
 
 def recording_rules() -> list[dict[str, Any]]:
-    """Recording rules: cheap per-rank / per-job step peaks, rank skew, device capacity used."""
+    """Recording rules: cheap per-rank / per-job step peaks, rank skew, device capacity used, and
+    the fleet's pre-aggregation: per job x category and per job x module (max over ranks, the
+    rank holding it, the ranks' skew), so that fleet panels read one series per job or module
+    instead of one per rank."""
     peak_total = cat.selector(cat.STEP_PEAK_BYTES, category="total")
     device_total = cat.selector(cat.DEVICE_TOTAL_BYTES)
+    module_peak = cat.MODULE_PEAK_BYTES.name
     return [
         {"record": REC_RANK_PEAK, "expr": f"max by ({_by(RANK)}) ({peak_total})"},
         {"record": REC_JOB_PEAK_MAX, "expr": f"max by ({_by(JOB)}) ({REC_RANK_PEAK})"},
@@ -125,6 +146,17 @@ def recording_rules() -> list[dict[str, Any]]:
                 f'/ on ({_by((*RANK, "device"))})\n'
                 f'max by ({_by((*RANK, "device"))}) ({device_total} > 0)\n'
             ),
+        },
+        {"record": REC_JOB_CATEGORY_PEAK, "expr": f"max by ({_by((*JOB, 'category'))}) ({cat.STEP_PEAK_BYTES.name})"},
+        {"record": REC_JOB_MODULE_PEAK, "expr": f"max by ({_by(MODULE)}) ({module_peak})"},
+        {
+            "record": REC_JOB_MODULE_PEAK_RANK,
+            "expr": f"max by ({_by((*MODULE, 'rank'))}) (topk by ({_by(MODULE)}) (1, {module_peak}))",
+        },
+        {
+            "record": REC_JOB_MODULE_SKEW,
+            "expr": (f"(\n  {REC_JOB_MODULE_PEAK}\n  - min by ({_by(MODULE)}) ({module_peak})\n)\n"
+                     f"/ ({REC_JOB_MODULE_PEAK} > 0)\n"),
         },
     ]
 

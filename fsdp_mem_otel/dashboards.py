@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_mem_otel import catalog as cat
+from fsdp_mem_otel.alerts import REC_JOB_MODULE_PEAK, REC_JOB_MODULE_SKEW, RECORDED_LABELS
 
 #: the grafana-foundation-sdk build these dashboards are generated with (Grafana 11.6 types)
 SDK_REQUIREMENT = "grafana-foundation-sdk==1769699379!11.6.0"
@@ -93,6 +94,15 @@ def sel(m: cat.Metric, scope: Scope | None = None, *extra: Matcher, **eq: str) -
     if not matchers:
         return m.name
     return m.name + "{" + ", ".join(f'{label}{op}"{value}"' for label, op, value in matchers) + "}"
+
+
+def recorded(name: str, *matchers: Matcher) -> str:
+    """Selector for a recorded series (``alerts.RECORDED_LABELS``): fleet-wide panels read these,
+    one series per job or job x module, instead of one per rank."""
+    for label, _, _ in matchers:
+        if label not in RECORDED_LABELS[name]:
+            raise ValueError(f"{name} has no label {label!r}; it has {list(RECORDED_LABELS[name])}")
+    return name + "{" + ", ".join(f'{label}{op}"{value}"' for label, op, value in matchers) + "}"
 
 
 def total(m: cat.Metric, scope: Scope) -> str:
@@ -323,10 +333,8 @@ def _variables(board: _Board, *, multi_job: bool, module: bool = False, baseline
     board.variable(query_var("job", "Job", f"label_values({sel(info, None, ns)}, job_name)", multi=multi_job))
     board.variable(query_var("pod", "Pod", f"label_values({sel(info, None, ns, job)}, pod)"))
     board.variable(query_var("rank", "Rank", f"label_values({sel(info, None, ns, job, pod)}, rank)", numeric=True))
-    if module:
-        mod = cat.MODULE_PEAK_BYTES
-        board.variable(query_var("module", "Module",
-                                 f"label_values({sel(mod, None, ns, job, pod, ('rank', '=~', '$rank'))}, module)"))
+    if module:  # from the job x module recorded series: one per module and phase, not per rank
+        board.variable(query_var("module", "Module", f"label_values({recorded(REC_JOB_MODULE_PEAK, ns, job)}, module)"))
     if baseline:
         board.variable(
             db.CustomVariable("baseline").label("Compare with").values("1h,6h,1d,7d")
@@ -435,6 +443,10 @@ def job_drilldown(sdk: Any) -> Dashboard:
     peak = total(cat.STEP_PEAK_BYTES, s)
     mod = cat.MODULE_PEAK_BYTES
 
+    def module_recorded(name: str) -> str:
+        return recorded(name, ("namespace", "=~", "$namespace"), ("job_name", "=", "$job"),
+                        ("module", "=~", "$module"))
+
     b.row("Step peak by category")
     rank_panel = timeseries(sdk, "bytes", stack=True).repeat("rank").repeat_direction("h").max_per_row(4)
     b.add(rank_panel, "Rank $rank: step peak by category",
@@ -447,8 +459,10 @@ def job_drilldown(sdk: Any) -> Dashboard:
     b.row("Modules")
     b.add(table(sdk, "bytes", transformations=[_matrix("module", "phase")]),
           "Module peak, forward and backward (largest rank)",
-          "Peak total bytes during each module's forward and backward in the last step, largest over the ranks.",
-          [Query(f"max by (module, phase) ({sel(mod, s)})", instant=True, table=True)], 12, 10)
+          "Peak total bytes during each module's forward and backward in the last step, largest over the "
+          "job's ranks (recorded series, so $pod and $rank do not apply).",
+          [Query(f"max by (module, phase) ({module_recorded(REC_JOB_MODULE_PEAK)})", instant=True, table=True)],
+          12, 10)
     b.add(table(sdk, "bytes", transformations=[_matrix("module", "rank")], gradient=True),
           "Module x rank backward peak",
           "Last step's backward peak per module (rows) and rank (columns); colour marks the heavy cells.",
@@ -471,10 +485,11 @@ def job_drilldown(sdk: Any) -> Dashboard:
     b.add(timeseries(sdk, "percentunit"), "Rank skew relative to the largest rank",
           "(max - min) / max of the step peak over the ranks.",
           [Query(f"(max({peak}) - min({peak})) / max({peak})", "skew")], 6, 8)
-    b.add(table(sdk, "bytes", sort="Value", transformations=[_hide_time()]), "Module skew across ranks",
-          "Per module and phase: largest minus smallest rank's peak, last step.",
-          [Query(f"max by (module, phase) ({sel(mod, s)}) - min by (module, phase) ({sel(mod, s)})",
-                 instant=True, table=True)], 6, 8)
+    b.add(table(sdk, "percentunit", sort="Value", transformations=[_hide_time()]), "Module skew across ranks",
+          "Per module and phase: (largest - smallest rank's peak) / largest, last step, over the job's ranks "
+          "(recorded series).",
+          [Query(f"max by (module, phase) ({module_recorded(REC_JOB_MODULE_SKEW)})", instant=True, table=True)],
+          6, 8)
 
     b.row("Step-over-step trend")
     b.add(timeseries(sdk, "bytes", min0=False), "Step peak change per step",

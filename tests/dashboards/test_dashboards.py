@@ -21,6 +21,7 @@ import pytest
 
 from fsdp_mem_otel import catalog as cat
 from fsdp_mem_otel import dashboards as dash
+from fsdp_mem_otel.alerts import RECORDED_LABELS
 
 REPO = Path(__file__).resolve().parents[2]
 COMMITTED = REPO / "dashboards"
@@ -197,7 +198,10 @@ def test_structure(built: list[dash.Dashboard]) -> None:
             assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
             assert t["datasource"] == panel["datasource"] and t["refId"]
             assert panel["fieldConfig"]["defaults"]["unit"] in ("bytes", "percentunit", "s", "short"), panel["title"]
-            assert "$namespace" in t["expr"] and "$job" in t["expr"] and "$rank" in t["expr"], panel["title"]
+            assert "$namespace" in t["expr"] and "$job" in t["expr"], panel["title"]
+            # per-rank series are scoped by $rank; recorded job x module series by $module
+            per_rank = metric_names(substitute(t["expr"], j, SAMPLE_VALUES)) - set(RECORDED_LABELS)
+            assert ("$rank" in t["expr"]) if per_rank else ("$module" in t["expr"]), panel["title"]
     by_uid = {d.uid: d.json for d in built}
     assert "module" in variables(by_uid["fsdp-mem-job"])
     assert variables(by_uid["fsdp-mem-fleet"])["job"]["multi"] is True
@@ -238,8 +242,16 @@ def test_escaping_is_grafanas() -> None:
     assert substitute('x{module=~"$m"}', d, {"m": [".*"], "j": ["a"]}) == 'x{module=~".*"}'
 
 
+def _labels_of(name: str) -> set[str]:
+    if name in RECORDED_LABELS:
+        return set(RECORDED_LABELS[name])
+    m = cat.metric(name)
+    return set(m.all_labels) | set(cat.IDENTITY_LABELS) | set(cat.OPTIONAL_IDENTITY_LABELS)
+
+
 def test_every_metric_is_in_the_catalog(built: list[dash.Dashboard]) -> None:
-    catalog = set(cat.all_names())
+    # catalog metrics, and the recording rules' series (fleet-wide panels read those)
+    catalog = set(cat.all_names()) | set(RECORDED_LABELS)
     used: set[str] = set()
     for d in built:
         for panel, t in targets(d.json):
@@ -249,8 +261,7 @@ def test_every_metric_is_in_the_catalog(built: list[dash.Dashboard]) -> None:
             assert names <= catalog, f"{d.uid} / {panel['title']}: not in the catalog: {names - catalog}"
             for vs in selectors(expr):  # and each label matched is one the metric carries
                 assert vs.name, f"{d.uid} / {panel['title']}: select metrics by name"
-                m = cat.metric(vs.name)
-                allowed = set(m.all_labels) | set(cat.IDENTITY_LABELS) | set(cat.OPTIONAL_IDENTITY_LABELS)
+                allowed = _labels_of(vs.name)
                 labels = {x.name for x in vs.matchers.matchers}
                 assert labels <= allowed, f"{d.uid} / {panel['title']}: {vs.name} has no label {labels - allowed}"
             used |= names
@@ -259,7 +270,7 @@ def test_every_metric_is_in_the_catalog(built: list[dash.Dashboard]) -> None:
                 selector, label = label_values_selector(substitute(v["query"], d.json, SAMPLE_VALUES))
                 names = metric_names(selector)
                 assert names and names <= catalog
-                assert all(label in cat.metric(x).all_labels + cat.OPTIONAL_IDENTITY_LABELS for x in names)
+                assert all(label in _labels_of(x) for x in names)
     # the dashboards cover the memory metrics operators need
     for m in (cat.STEP_PEAK_BYTES, cat.CURRENT_BYTES, cat.MODULE_PEAK_BYTES, cat.DEVICE_TOTAL_BYTES,
               cat.ALLOCATED_BYTES, cat.RESERVED_BYTES, cat.UNTRACKED_BYTES, cat.FRAGMENTATION_RATIO,

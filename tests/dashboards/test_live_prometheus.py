@@ -25,6 +25,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -49,6 +50,7 @@ STEPS = 30
 STEP_SLEEP = 0.5
 SETTLE = 3.0
 SCRAPE = "1s"
+ROOT = Path(__file__).resolve().parents[2]
 #: stands in for the fleet dashboard's $baseline: the earlier window must fall inside the run
 BASELINE = "5s"
 GPU_JOB, GPU_NAMESPACE = "dash-e2e-gpu", "e2e-gpu"
@@ -109,6 +111,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     ranks = [f"127.0.0.1:{p}" for p in (rank_base, rank_base + 1, gpu_base, gpu_base + 1)]
     config = {
         "global": {"scrape_interval": SCRAPE, "scrape_timeout": SCRAPE, "evaluation_interval": SCRAPE},
+        # the shipped recording rules: drill-down panels read the job x module series they record
+        "rule_files": [str(ROOT / "deploy" / "prometheus" / "fsdp-mem-otel.rules.yml")],
         "scrape_configs": [
             {"job_name": "fsdp-ranks", "static_configs": [{"targets": ranks}]},
             {"job_name": "fsdp-sidecar", "static_configs": [{"targets": [f"127.0.0.1:{sidecar_port}"]}]},
