@@ -92,6 +92,10 @@ class RuleConfig:
     #: FsdpMemRankImbalance: (max - min) / max of the ranks' step peaks above this many percent
     imbalance_percent: float = 20.0
     imbalance_for: str = "15m"
+    #: FsdpMemAboveEstimate: a rank's step peak above its estimate (fsdp-mem-otel estimate) by
+    #: more than this many percent
+    estimate_margin_percent: float = 10.0
+    estimate_for: str = "10m"
     #: FsdpMemTrainingStalled: no step closed for this long (the rank's process is alive)
     stalled_after: str = "15m"
     stalled_for: str = "5m"
@@ -247,6 +251,22 @@ def alert_rules(cfg: RuleConfig | None = None) -> list[dict[str, Any]]:
             "uneven data (variable sequence lengths without packing), rank-0-only work (logging, evaluation, "
             "checkpoint gathering with full_state_dict), an uneven wrapping policy, or a different device or "
             "allocator setting on one node.",
+        ),
+        _alert(
+            "FsdpMemAboveEstimate",
+            f"{REC_RANK_PEAK}\n"
+            f"/ on ({_by(RANK)})\n"
+            f"(max by ({_by(RANK)}) ({cat.selector(cat.ESTIMATE_STEP_PEAK_BYTES, category='total')}) > 0)\n"
+            f"> {_num(1 + c.estimate_margin_percent / 100)}\n",
+            c.estimate_for, "warning",
+            f"FSDP step peak of {rank} is above its estimate",
+            f"The step peak of {rank} is {{{{ $value | humanizePercentage }}}} of the estimate it was launched "
+            f"with (threshold {_num(c.estimate_margin_percent)}% above). Only jobs launched with "
+            "FSDP_MEM_OTEL_ESTIMATE are evaluated.",
+            "Compare the run with its estimate: `fsdp-mem-otel compare ESTIMATE.jsonl RUN.jsonl` names the "
+            "categories and modules that grew. The estimate does not see NCCL and cuBLAS workspaces, allocator "
+            "fragmentation or the CUDA context; a real gap in activations usually means a different batch, "
+            "sequence length or checkpointing than the estimate assumed.",
         ),
         _alert(
             "FsdpMemTrainingStalled",

@@ -475,6 +475,14 @@ def job_drilldown(sdk: Any) -> Dashboard:
           "Wall-clock time of each module's forward in the last step, summed over its calls.",
           [Query(f"max by (module) ({sel(cat.MODULE_FORWARD_SECONDS, s)})", "{{module}}")], 24, 8)
 
+    b.row("Estimate vs measured")
+    b.add(timeseries(sdk, "bytes"), "Step peak vs estimate",
+          "Each rank's step peak beside the estimate it was launched with (FSDP_MEM_OTEL_ESTIMATE, from "
+          "`fsdp-mem-otel estimate`); FsdpMemAboveEstimate fires when the measurement exceeds it by the "
+          "configured margin. Empty for jobs launched without an estimate.",
+          [Query(f"max by (rank) ({peak})", "rank {{rank}} measured"),
+           Query(f"max by (rank) ({total(cat.ESTIMATE_STEP_PEAK_BYTES, s)})", "rank {{rank}} estimate")], 24, 8)
+
     b.row("Rank skew")
     b.add(timeseries(sdk, "bytes"), "Rank skew of step peak (max - min across ranks)",
           "Spread of the step peak over the ranks, in total and per category. Large skew: uneven sharding, "

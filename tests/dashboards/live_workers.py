@@ -55,13 +55,15 @@ def train_for_prometheus(base_port: int, sidecar_dir: str, sidecar_port: int, st
     from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
     from fsdp_mem_otel.identity import Identity
     from fsdp_mem_otel.tracker import FSDPMemoryTracker
+    from tests.exporters.test_prometheus import small_report
 
     rank = dist.get_rank()
     env = {**os.environ, "FSDP_MEM_OTEL_JOB": JOB, "POD_NAME": pod_name(rank), "POD_NAMESPACE": NAMESPACE}
     identity = Identity.from_env(env)
     model, opt = build(BLOCKS, WIDTH, WrapOptions(fsdp=2))
+    # launched with an estimate (any StepReport will do here): the estimate panel has data
     exporter = PrometheusExporter(identity, base_port=base_port, addr="127.0.0.1", sidecar_dir=sidecar_dir,
-                                  heartbeat_seconds=1.0)
+                                  heartbeat_seconds=1.0, estimate=small_report())
     wrapped = _HostAllocatorStats(exporter)
     server = None
     if rank == 0:
