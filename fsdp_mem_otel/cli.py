@@ -1,4 +1,4 @@
-"""The ``fsdp-mem-otel`` command: demo | serve | rules | dashboards | report (see ``USAGE``)."""
+"""The ``fsdp-mem-otel`` command: demo | serve | rules | dashboards | report | compare (see ``USAGE``)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ commands:
   rules   write the Prometheus alert/recording rules, PrometheusRule and dashboard ConfigMaps
   dashboards  write the Grafana dashboards (JSON) built from the metric catalog
   report  turn JSONL step reports into one self-contained HTML page
+  compare what grew between two runs (or an estimate and a run), per category and per module
 
 `fsdp-mem-otel COMMAND --help` for a command's options."""
 
@@ -70,8 +71,14 @@ def report(argv: Sequence[str]) -> int:
     return report_main(list(argv))
 
 
+def compare(argv: Sequence[str]) -> int:
+    from fsdp_mem_otel.compare import compare_main
+
+    return compare_main(list(argv))
+
+
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
-    "demo": demo, "serve": serve, "rules": rules, "dashboards": dashboards, "report": report,
+    "demo": demo, "serve": serve, "rules": rules, "dashboards": dashboards, "report": report, "compare": compare,
 }
 
 

@@ -90,7 +90,7 @@ def _plotly() -> Any:
         import plotly.graph_objects as go_mod
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise RuntimeError(
-            "fsdp-mem-otel report needs plotly: pip install 'fsdp-mem-otel[report]'"
+            "fsdp-mem-otel report needs plotly: pip install plotly (a plain install of fsdp-mem-otel has it)"
         ) from exc
     return go_mod
 
@@ -532,8 +532,9 @@ ul.aborted { color: #b00; }
 """
 
 
-def render_html(report: Report, title: str = "FSDP memory report") -> str:
-    """One self-contained page: plotly.js and CSS inlined, no external fetches."""
+def render_html(report: Report, title: str = "FSDP memory report", extra_html: str = "") -> str:
+    """One self-contained page: plotly.js and CSS inlined, no external fetches. ``extra_html``
+    (trusted, already escaped: the baseline comparison) goes under the summary."""
     import plotly.io as pio
     from plotly.offline import get_plotlyjs
 
@@ -545,6 +546,8 @@ def render_html(report: Report, title: str = "FSDP memory report") -> str:
     ]
     parts += [f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in report.summary]
     parts.append("</table>")
+    if extra_html:
+        parts.append(extra_html)
     if report.aborted:
         shown = report.aborted[:50]
         parts.append(f"<section><h2>Aborted steps ({len(report.aborted)})</h2><ul class=\"aborted\">")
@@ -560,12 +563,24 @@ def render_html(report: Report, title: str = "FSDP memory report") -> str:
 
 
 def write_report(paths: Sequence[str], out: str, *, step: int | None = None, rank: int | None = None,
-                 max_points: int = DEFAULT_MAX_POINTS, progress: Progress = quiet) -> int:
-    """Read ``paths``, write the page to ``out`` (parents created); returns its size in bytes."""
+                 max_points: int = DEFAULT_MAX_POINTS, progress: Progress = quiet,
+                 baseline: Sequence[str] | None = None) -> int:
+    """Read ``paths``, write the page to ``out`` (parents created); returns its size in bytes.
+    ``baseline``: another run's (or an estimate's) JSONL, compared with this run in a section
+    (``fsdp_mem_otel.compare``; rank ``rank`` or 0, step ``step`` or each run's last deep step)."""
     index = scan_files(paths, progress)
     report = build_report(index, step=step, rank=rank, max_points=max_points, progress=progress)
+    extra = ""
+    if baseline:
+        from fsdp_mem_otel.compare import compare, load_profile, render_html_section
+
+        progress(f"comparing with {', '.join(baseline)}")
+        r = rank or 0
+        extra = render_html_section(compare(load_profile(list(baseline), step=step, rank=r),
+                                            load_profile(list(paths), step=step, rank=r)))
     progress("rendering HTML")
-    text = render_html(report, title=f"FSDP memory report: {', '.join(os.path.basename(p) for p in paths)}")
+    text = render_html(report, title=f"FSDP memory report: {', '.join(os.path.basename(p) for p in paths)}",
+                       extra_html=extra)
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     data = text.encode("utf-8")
@@ -613,9 +628,12 @@ def report_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-points", type=_positive, default=DEFAULT_MAX_POINTS,
                    help=f"per-step charts draw every step up to this many, else downsample (default "
                         f"{DEFAULT_MAX_POINTS})")
+    p.add_argument("--baseline", nargs="+", metavar="BASE.jsonl", default=None,
+                   help="another run's (or an estimate's) JSONL: a section says what grew from it to this run, "
+                        "per category and per module (as `fsdp-mem-otel compare`)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     args = p.parse_args(argv)
-    for path in args.paths:
+    for path in [*args.paths, *(args.baseline or [])]:
         if os.path.isdir(path):
             p.error(f"argument RUN.jsonl: {path} is a directory; give the JSONL files in it")
         if not rotated_files(path):
@@ -641,7 +659,7 @@ def report_main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
             size = write_report(args.paths, args.output, step=args.step, rank=args.rank,
-                                max_points=args.max_points, progress=progress)
+                                max_points=args.max_points, progress=progress, baseline=args.baseline)
         for w in caught[:20]:
             print(f"fsdp-mem-otel report: warning: {w.message}", file=sys.stderr)
         if len(caught) > 20:

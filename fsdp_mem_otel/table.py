@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from fsdp_mem_otel.schema import (
     AFTER_PRE_BACKWARD,
     AFTER_PRE_FORWARD,
@@ -28,7 +30,8 @@ def _device(report: StepReport, device: str | None) -> str:
     return max(report.peak, key=lambda d: report.peak[d].get(TOTAL, 0), default="cpu")
 
 
-def _render(header: list[str], rows: list[list[str]]) -> str:
+def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Columns aligned: the first left, the others right, a rule under the header."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     line = "  ".join("-" * w for w in widths)
     fmt = [header[0].ljust(widths[0])] + [h.rjust(w) for h, w in zip(header[1:], widths[1:], strict=True)]
@@ -63,7 +66,7 @@ def module_table(report: StepReport, device: str | None = None) -> str:
         rows.append([key, str(calls), human_bytes(fwd.get(TOTAL, 0)), human_bytes(bwd.get(TOTAL, 0)),
                      human_bytes(unsharded), top])
     header = ["module", "calls", "peak fwd", "peak bwd", "unsharded params", "largest at peak bwd"]
-    return _render(header, rows)
+    return render_table(header, rows)
 
 
 def peak_table(report: StepReport, device: str | None = None) -> str:
@@ -73,4 +76,4 @@ def peak_table(report: StepReport, device: str | None = None) -> str:
     total = cats.get(TOTAL, 0) or 1
     rows = [[c, human_bytes(cats[c]), f"{100 * cats[c] / total:.1f}%"] for c in CATEGORIES if cats.get(c, 0)]
     rows.append([TOTAL, human_bytes(cats.get(TOTAL, 0)), "100.0%"])
-    return _render([f"category ({dev}, step {report.step}, {report.mode})", "at step peak", "share"], rows)
+    return render_table([f"category ({dev}, step {report.step}, {report.mode})", "at step peak", "share"], rows)
