@@ -47,6 +47,11 @@ DEFAULT_MODULE_SPANS_EVERY = 100
 #: seconds between sidecar file rewrites at most: rendering costs a few ms at 100 modules, and
 #: Prometheus reads the file once per scrape interval (30 s in the example), not every step
 DEFAULT_SIDECAR_INTERVAL = 5.0
+#: JSONL lines carry module snapshots on step 1, one step in 100, deep and aborted steps, and
+#: when a module's peak moved by more than 5% (and 64 KiB): a line with them is ~3 KB per module,
+#: one without ~2 KB, so at 100 modules the average stays near 5 KB per step
+DEFAULT_JSONL_MODULES_EVERY = 100
+DEFAULT_JSONL_MODULES_CHANGE = 0.05
 _C = TypeVar("_C")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -122,6 +127,9 @@ EXPORT_ENV_FIELDS = {
     env.FSDP_MEM_OTEL_SIDECAR_DIR: "sidecar_dir",
     env.FSDP_MEM_OTEL_SIDECAR_INTERVAL: "sidecar_interval_seconds",
     env.FSDP_MEM_OTEL_JSONL: "jsonl",
+    env.FSDP_MEM_OTEL_JSONL_MODULES_EVERY: "jsonl_modules_every",
+    env.FSDP_MEM_OTEL_JSONL_MAX_BYTES: "jsonl_max_bytes",
+    env.FSDP_MEM_OTEL_JSONL_BACKUP_COUNT: "jsonl_backup_count",
     env.FSDP_MEM_OTEL_SPANS_EVERY: "spans_every",
     env.FSDP_MEM_OTEL_MODULE_SPANS_EVERY: "module_spans_every",
 }
@@ -177,7 +185,9 @@ class PrometheusConfig:
 
 @dataclass(frozen=True)
 class JSONLConfig:
-    """The JSON-lines file (``JSONLExporter``); see its docstring for each field."""
+    """The JSON-lines file (``JSONLExporter``); see its docstring for each field.
+
+    ``modules_every`` / ``modules_change``: the budget of module snapshots (see the exporter)."""
 
     path: str
     max_bytes: int = 256 * 1024 * 1024
@@ -185,6 +195,8 @@ class JSONLConfig:
     max_queue: int = 1000
     max_queue_bytes: int = 64 * 1024 * 1024
     index: bool = True
+    modules_every: int = DEFAULT_JSONL_MODULES_EVERY
+    modules_change: float = DEFAULT_JSONL_MODULES_CHANGE
 
     def __post_init__(self) -> None:
         from fsdp_mem_otel.jsonl_format import check_path
@@ -195,6 +207,10 @@ class JSONLConfig:
         check_int("max_queue", self.max_queue, 1)
         check_int("max_queue_bytes", self.max_queue_bytes, 1)
         check_bool("index", self.index)
+        check_int("modules_every", self.modules_every, 1)
+        if isinstance(self.modules_change, bool) or not isinstance(self.modules_change, int | float) \
+                or not self.modules_change >= 0:
+            raise ValueError(f"modules_change must be a ratio >= 0 (0.05: 5%); got {self.modules_change!r}")
 
 
 @dataclass(frozen=True)
@@ -238,6 +254,7 @@ class ExportConfig:
         sidecar_dir: write each step's exposition to ``<dir>/rank-<rank>.prom``.
         sidecar_interval_seconds: at most this often (the newest step; 0: every step).
         jsonl: path of the JSON-lines file; ``{rank}`` is replaced by the rank.
+        jsonl_modules_every, jsonl_max_bytes, jsonl_backup_count: see ``JSONLConfig``.
         spans_every: OpenTelemetry spans for step 1 and every Nth step (when an OTLP endpoint is set).
         module_spans_every: module spans on step 1, every Nth, deep and aborted steps.
     """
@@ -254,6 +271,9 @@ class ExportConfig:
     sidecar_interval_seconds: float = DEFAULT_SIDECAR_INTERVAL
     estimate: str | None = None
     jsonl: str | None = None
+    jsonl_modules_every: int = DEFAULT_JSONL_MODULES_EVERY
+    jsonl_max_bytes: int = 256 * 1024 * 1024
+    jsonl_backup_count: int = 5
     spans_every: int = 1
     module_spans_every: int = DEFAULT_MODULE_SPANS_EVERY
 
@@ -282,7 +302,8 @@ class ExportConfig:
         """The JSON-lines exporter's part, for ``rank`` (``{rank}`` in the path filled in)."""
         if self.jsonl is None:
             raise ValueError("jsonl is not set: no JSON-lines file configured")
-        return JSONLConfig(path=self.jsonl.replace("{rank}", str(rank)))
+        return JSONLConfig(path=self.jsonl.replace("{rank}", str(rank)), modules_every=self.jsonl_modules_every,
+                           max_bytes=self.jsonl_max_bytes, backup_count=self.jsonl_backup_count)
 
     def otel_config(self) -> OTelConfig:
         """The span exporter's part (spans are on when the OTEL_* environment sets an endpoint)."""

@@ -139,7 +139,24 @@ def read_reports(*paths: str | os.PathLike[str]) -> Iterator[StepReport]:
     return _read(files)
 
 
+def fill_modules(report: StepReport, source: StepReport | None) -> StepReport:
+    """A line written without module snapshots (``modules_from``) gets those of ``source``, the
+    report of that step, when given; the report is returned either way."""
+    if report.modules_from is not None and not report.modules and source is not None \
+            and source.step == report.modules_from and source.rank == report.rank:
+        report.modules, report.module_order = source.modules, source.module_order
+    return report
+
+
 def _read(files: list[str]) -> Iterator[StepReport]:
+    carried: dict[int, StepReport] = {}  # rank -> its last report with module snapshots
+    for report in _read_lines(files):
+        if report.modules_from is None:
+            carried[report.rank] = report
+        yield fill_modules(report, carried.get(report.rank))
+
+
+def _read_lines(files: list[str]) -> Iterator[StepReport]:
     for path in files:
         with open(path, "rb") as f:
             for i, raw in enumerate(f):
@@ -239,6 +256,9 @@ class RunIndex:
                           f"not rank {rank} step {step} (file changed since it was indexed?)",
                           RuntimeWarning, stacklevel=2)
             report = None
+        if report is not None and report.modules_from is not None and not report.modules \
+                and report.modules_from < step:  # written without snapshots: those of an earlier line
+            report = fill_modules(report, self.full(rank, report.modules_from))
         self._cache[key] = report
         return report
 
@@ -257,6 +277,8 @@ def _read_line(loc: _Where) -> StepReport | None:
 _HEAD_END = b'"module_order": '
 _MODULES = b'"modules": '
 _TAIL_START = b'"peak": '
+#: sorts between "modules" and "peak": the one step-level field in the part _summary skips
+_MODULES_FROM = b'"modules_from": '
 
 
 def _summary(buf: Any, start: int, end: int) -> StepReport:
@@ -269,6 +291,10 @@ def _summary(buf: Any, start: int, end: int) -> StepReport:
         try:
             data = json.loads(head + buf[j:end])
             data["modules"] = {}
+            k = buf.rfind(_MODULES_FROM, i, j)
+            if k >= 0:
+                value = bytes(buf[k + len(_MODULES_FROM) : j]).strip().rstrip(b",")
+                data["modules_from"] = json.loads(value)
             return StepReport.from_dict(data)
         except LINE_ERRORS:
             pass  # not the exporter's layout: parse it whole

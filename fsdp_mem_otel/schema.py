@@ -191,6 +191,9 @@ class StepReport:
     aborted: StepAbort | None = None
     #: why a step due to run deep stayed light ("compiled": the model runs torch.compile'd code)
     deep_skipped: str | None = None
+    #: in a JSONL file: this line was written without module snapshots (the JSONL budget), and
+    #: ``modules`` are those of this earlier step, which readers fill in; None: its own
+    modules_from: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -213,6 +216,7 @@ class StepReport:
             "end_time_ns": self.end_time_ns,
             "aborted": None if self.aborted is None else self.aborted.to_dict(),
             "deep_skipped": self.deep_skipped,
+            **({} if self.modules_from is None else {"modules_from": self.modules_from}),
         }
 
     def to_json(self) -> str:
@@ -257,6 +261,7 @@ class StepReport:
             end_time_ns=int(data.get("end_time_ns", 0)),
             aborted=None if data.get("aborted") is None else StepAbort.from_dict(data["aborted"]),
             deep_skipped=None if data.get("deep_skipped") is None else str(data["deep_skipped"]),
+            modules_from=None if data.get("modules_from") is None else int(data["modules_from"]),
         )
 
     def peak_total(self, device: str | None = None) -> int:

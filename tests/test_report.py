@@ -453,7 +453,7 @@ def exported_run(tmp_path: Path, steps: int = 14, max_bytes: int = 0) -> list[Pa
     files = []
     for rk in (0, 1):
         path = tmp_path / f"run.rank{rk}.jsonl"
-        exp = JSONLExporter(path, max_bytes=max_bytes, backup_count=9)
+        exp = JSONLExporter(path, max_bytes=max_bytes, backup_count=9, modules_every=1)
         for s in range(1, steps + 1):
             exp.export(synthetic(s, rk, aborted=(s == 5)))
         exp.shutdown()

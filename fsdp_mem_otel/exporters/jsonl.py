@@ -33,11 +33,12 @@ step reports: they are never picked up as rotated files, and one given by name i
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from typing import Any
 
-from fsdp_mem_otel.config import JSONLConfig
+from fsdp_mem_otel.config import DEFAULT_JSONL_MODULES_CHANGE, DEFAULT_JSONL_MODULES_EVERY, JSONLConfig
 from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.jsonl_format import (
     INDEX_OMITS,
@@ -53,7 +54,7 @@ from fsdp_mem_otel.jsonl_format import (
     remove_if_exists,
     rotated_files,
 )
-from fsdp_mem_otel.schema import StepReport
+from fsdp_mem_otel.schema import DEEP, PEAK_BACKWARD, PEAK_FORWARD, StepReport
 from fsdp_mem_otel.worker import BackgroundWorker
 
 # the file format lives in jsonl_format; these names stay importable from here
@@ -63,6 +64,8 @@ __all__ = ["INDEX_OMITS", "INDEX_SUFFIX", "RANK_PLACEHOLDER", "JSONLExporter", "
 logger = logging.getLogger(__name__)
 
 _DEFAULTS = JSONLConfig(path="-")
+#: a module's peak must move by at least this much (and by modules_change) to force a snapshot
+_MIN_CHANGE_BYTES = 64 * 1024
 DEFAULT_MAX_BYTES = _DEFAULTS.max_bytes
 DEFAULT_BACKUP_COUNT = _DEFAULTS.backup_count
 DEFAULT_MAX_QUEUE = _DEFAULTS.max_queue
@@ -92,6 +95,13 @@ class JSONLExporter:
             at most; beyond that the oldest waiting are dropped and counted (``dropped_total``
             and ``errors_total``).
         index: also write the side index ``<file>.index`` (see the module doc).
+        modules_every, modules_change: the budget. A line carries the module snapshots (nearly
+            all of its bytes at 100 modules) on the first step, every ``modules_every``-th step,
+            deep and aborted steps, the first line of a file, and when the module keys changed or
+            a module's forward or backward peak moved by more than ``modules_change`` (a ratio)
+            and 64 KiB since the last line that carried them; other lines carry
+            ``modules_from``, that line's step, and readers (``read_reports``, ``scan_files``,
+            ``report``, ``compare``) fill its snapshots in.
         config: all of the above as one ``JSONLConfig`` (then ``path`` and the keywords are not used).
 
     I/O failures never raise into training: each failed line is counted in ``errors_total``,
@@ -109,11 +119,14 @@ class JSONLExporter:
         max_queue: int = DEFAULT_MAX_QUEUE,
         max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
         index: bool = True,
+        modules_every: int = DEFAULT_JSONL_MODULES_EVERY,
+        modules_change: float = DEFAULT_JSONL_MODULES_CHANGE,
         config: JSONLConfig | None = None,
     ) -> None:
         if config is None:
             config = JSONLConfig(path=check_path("path", path), max_bytes=max_bytes, backup_count=backup_count,
-                                 max_queue=max_queue, max_queue_bytes=max_queue_bytes, index=index)
+                                 max_queue=max_queue, max_queue_bytes=max_queue_bytes, index=index,
+                                 modules_every=modules_every, modules_change=modules_change)
         elif not isinstance(config, JSONLConfig):
             raise TypeError(f"config must be a JSONLConfig or None; got {type(config).__name__}")
         self.config = config
@@ -128,6 +141,11 @@ class JSONLExporter:
         self._index_file: Any = None  # raw binary file of the side index, or None
         self._closed = False
         self._worker: BackgroundWorker[StepReport] | None = None
+        #: the last line with module snapshots: its step and its modules' peaks
+        self._modules_step: int | None = None
+        self._module_peaks: dict[str, tuple[int, int]] = {}
+        #: lines written without module snapshots (the budget), and with them
+        self.lines_without_modules = 0
 
     @property
     def errors_total(self) -> int:
@@ -168,8 +186,33 @@ class JSONLExporter:
         self._close_file()
 
     # -- the worker's side -------------------------------------------------------------------
+    def _peaks(self, report: StepReport) -> dict[str, tuple[int, int]]:
+        return {k: (m.peak_total(PEAK_FORWARD), m.peak_total(PEAK_BACKWARD)) for k, m in report.modules.items()}
+
+    def _needs_modules(self, report: StepReport, peaks: dict[str, tuple[int, int]]) -> bool:
+        if (self._modules_step is None or report.step == 1 or report.step % self.config.modules_every == 0
+                or report.mode == DEEP or report.aborted is not None or peaks.keys() != self._module_peaks.keys()):
+            return True
+        ratio = self.config.modules_change
+        for key, now in peaks.items():
+            for new, old in zip(now, self._module_peaks[key], strict=True):
+                if abs(new - old) > max(ratio * old, _MIN_CHANGE_BYTES):
+                    return True
+        return False
+
+    def _starts_a_file(self, size: int) -> bool:
+        return self._file is None or bool(self.max_bytes and self._size > 0 and self._size + size > self.max_bytes)
+
     def _write_report(self, report: StepReport) -> None:
-        data, line = encode(report)
+        peaks = self._peaks(report)
+        full = self._needs_modules(report, peaks)
+        if not full:
+            sparse = copy.copy(report)
+            sparse.modules, sparse.module_order, sparse.modules_from = {}, [], self._modules_step
+            data, line = encode(sparse)
+            full = self._starts_a_file(len(line))  # every file stands alone: its first line has them
+        if full:
+            data, line = encode(report)
         if self.path is None:
             self.path = self.path_template.replace(RANK_PLACEHOLDER, str(int(report.rank)))
         try:
@@ -179,6 +222,10 @@ class JSONLExporter:
             self.failures.failed("writing", exc, self.path)
             return
         self.lines_total += 1
+        if full:
+            self._modules_step, self._module_peaks = report.step, peaks
+        else:
+            self.lines_without_modules += 1
         if self.index:
             # only now: the data line is complete, so the entry never points at a partial line
             try:

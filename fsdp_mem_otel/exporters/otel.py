@@ -35,7 +35,7 @@ for M FSDP modules) go only with step 1, every ``module_spans_every``-th step (d
 deep steps and aborted steps; the other exported steps are the step span alone, with the
 step-level breakdown and ``fsdp.module_spans=false`` saying the budget left the modules out. At
 M=100 with the defaults that is about 3 spans and 7 KB of OTLP per step on average (tested in
-``tests/exporters/test_otel_budget.py``). The SDK sampler (``OTEL_TRACES_SAMPLER``) applies on top.
+``tests/exporters/test_budgets.py``). The SDK sampler (``OTEL_TRACES_SAMPLER``) applies on top.
 
 Resource: ``service.name`` is the ``service_name`` argument if given, else ``OTEL_SERVICE_NAME``,
 else ``service.name`` from ``OTEL_RESOURCE_ATTRIBUTES``, else "fsdp-mem-otel". Other

@@ -69,7 +69,7 @@ def export_all(exp: JSONLExporter, reports: list[StepReport]) -> None:
 def test_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     reports = [make_report(1), make_report(2, aborted=True), make_report(3)]
-    exp = JSONLExporter(path)
+    exp = JSONLExporter(path, modules_every=1)
     export_all(exp, reports)
     lines = path.read_text().splitlines()
     assert lines == [r.to_json() for r in reports]  # one sorted-key JSON object per line
@@ -84,7 +84,7 @@ def test_round_trip(tmp_path: Path) -> None:
 def test_each_line_is_on_disk_after_export(tmp_path: Path) -> None:
     """No user-space buffering: once the writer is past a report, another reader sees it."""
     path = tmp_path / "run.jsonl"
-    exp = JSONLExporter(path)
+    exp = JSONLExporter(path, modules_every=1)
     for step in (1, 2):
         exp.export(make_report(step))
         assert exp.flush(10)
@@ -95,14 +95,14 @@ def test_each_line_is_on_disk_after_export(tmp_path: Path) -> None:
 def test_appends_to_existing_file(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     for step in (1, 2):
-        exp = JSONLExporter(path)
+        exp = JSONLExporter(path, modules_every=1)
         export_all(exp, [make_report(step)])
         exp.shutdown()
     assert [r.step for r in read_reports(path)] == [1, 2]
 
 
 def test_rank_placeholder_and_parent_dirs(tmp_path: Path) -> None:
-    exp = JSONLExporter(tmp_path / "a" / "b" / "rank-{rank}.jsonl")
+    exp = JSONLExporter(tmp_path / "a" / "b" / "rank-{rank}.jsonl", modules_every=1)
     export_all(exp, [make_report(1, rank=3)])
     exp.shutdown()
     assert exp.path == str(tmp_path / "a" / "b" / "rank-3.jsonl")
@@ -112,7 +112,7 @@ def test_rank_placeholder_and_parent_dirs(tmp_path: Path) -> None:
 def test_rotation_by_size(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     line = len(make_report(1).to_json()) + 1
-    exp = JSONLExporter(path, max_bytes=int(line * 2.5), backup_count=2)
+    exp = JSONLExporter(path, max_bytes=int(line * 2.5), backup_count=2, modules_every=1)
     reports = [make_report(s) for s in range(1, 11)]
     export_all(exp, reports)
     exp.shutdown()
@@ -132,7 +132,7 @@ def test_rotation_by_size(tmp_path: Path) -> None:
 def test_rotation_without_backups_restarts_file(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     line = len(make_report(1).to_json()) + 1
-    exp = JSONLExporter(path, max_bytes=int(line * 2.5), backup_count=0)
+    exp = JSONLExporter(path, max_bytes=int(line * 2.5), backup_count=0, modules_every=1)
     export_all(exp, [make_report(s) for s in range(1, 6)])
     exp.shutdown()
     assert sorted(os.listdir(tmp_path)) == ["run.jsonl", "run.jsonl.index"]
@@ -142,7 +142,7 @@ def test_rotation_without_backups_restarts_file(tmp_path: Path) -> None:
 
 def test_line_larger_than_cap_gets_own_file(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
-    exp = JSONLExporter(path, max_bytes=100, backup_count=5)
+    exp = JSONLExporter(path, max_bytes=100, backup_count=5, modules_every=1)
     export_all(exp, [make_report(s) for s in range(1, 4)])
     exp.shutdown()
     assert [len(Path(p).read_text().splitlines()) for p in rotated_files(path)] == [1, 1, 1]
@@ -151,7 +151,7 @@ def test_line_larger_than_cap_gets_own_file(tmp_path: Path) -> None:
 
 def test_truncated_last_line_skipped_with_warning(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
-    exp = JSONLExporter(path)
+    exp = JSONLExporter(path, modules_every=1)
     export_all(exp, [make_report(1), make_report(2)])
     exp.shutdown()
     with open(path, "a") as f:
@@ -159,7 +159,7 @@ def test_truncated_last_line_skipped_with_warning(tmp_path: Path) -> None:
     with pytest.warns(RuntimeWarning, match=r"run\.jsonl:3: skipping truncated last line"):
         assert [r.step for r in read_reports(path)] == [1, 2]
     # the next writer terminates the cut line first, so its own lines stay readable
-    exp = JSONLExporter(path)
+    exp = JSONLExporter(path, modules_every=1)
     export_all(exp, [make_report(4)])
     exp.shutdown()
     with pytest.warns(RuntimeWarning, match=r"run\.jsonl:3: skipping unreadable line"):
@@ -170,7 +170,7 @@ def test_parent_is_a_file_counted_then_recovers(tmp_path: Path, caplog: pytest.L
     """Unwritable location (works as root, where chmod does not stop writes)."""
     blocker = tmp_path / "logs"
     blocker.write_text("not a directory")
-    exp = JSONLExporter(blocker / "run.jsonl")
+    exp = JSONLExporter(blocker / "run.jsonl", modules_every=1)
     with caplog.at_level(logging.WARNING, logger="fsdp_mem_otel"):
         export_all(exp, [make_report(1), make_report(2), make_report(3)])  # never raises
         assert exp.errors_total == 3 and exp.lines_total == 0
@@ -214,7 +214,7 @@ def test_disk_full_counted_then_recovers(
     monkeypatch.setattr(jsonl, "open", faulty_open, raising=False)
     monkeypatch.setattr(FaultyFile, "full", False)
     path = tmp_path / "run.jsonl"
-    exp = JSONLExporter(path)
+    exp = JSONLExporter(path, modules_every=1)
     with caplog.at_level(logging.WARNING, logger="fsdp_mem_otel"):
         export_all(exp, [make_report(1)])
         FaultyFile.full = True
@@ -231,7 +231,7 @@ def test_disk_full_counted_then_recovers(
 
 def test_queue_full_drops_and_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = threading.Event()
-    exp = JSONLExporter(tmp_path / "run.jsonl", max_queue=1)
+    exp = JSONLExporter(tmp_path / "run.jsonl", max_queue=1, modules_every=1)
     real = exp._write_report
 
     def stalled(report: StepReport) -> None:  # a stuck file system
@@ -249,11 +249,11 @@ def test_queue_full_drops_and_counts(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_shutdown_idempotent(tmp_path: Path) -> None:
-    exp = JSONLExporter(tmp_path / "run.jsonl")
+    exp = JSONLExporter(tmp_path / "run.jsonl", modules_every=1)
     exp.shutdown()  # before any export: no thread, no file
     exp.shutdown()
     assert not (tmp_path / "run.jsonl").exists()
-    exp = JSONLExporter(tmp_path / "run.jsonl")
+    exp = JSONLExporter(tmp_path / "run.jsonl", modules_every=1)
     exp.export(make_report(1))
     exp.shutdown()  # flushes
     exp.shutdown()
@@ -308,7 +308,8 @@ def train_with_jsonl(path_template: str) -> list[StepReport]:
 
     rank = dist.get_rank()
     model, opt = build(3, 64, WrapOptions(fsdp=2))
-    tracker = FSDPMemoryTracker(model, opt, exporters=[JSONLExporter(path_template.format(rank=rank))])
+    jsonl = JSONLExporter(path_template.format(rank=rank), modules_every=1)
+    tracker = FSDPMemoryTracker(model, opt, exporters=[jsonl])
     reports = []
     with tracker:
         for step in range(3):
@@ -337,7 +338,7 @@ def test_real_fsdp2_run_round_trips(tmp_path: Path) -> None:
 def test_index_continues_when_appending(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     for steps in ((1, 2), (3,)):
-        exp = JSONLExporter(path)
+        exp = JSONLExporter(path, modules_every=1)
         export_all(exp, [make_report(s) for s in steps])
         exp.shutdown()
     assert_index_matches(path)
@@ -348,7 +349,7 @@ def test_index_paired_through_rotation_and_stale_index_dropped(tmp_path: Path) -
     path = tmp_path / "run.jsonl"
     line = len(make_report(1).to_json()) + 1
     Path(str(path) + ".2.index").write_text("stale\n")  # an index without its data file
-    exp = JSONLExporter(path, max_bytes=int(line * 1.5), backup_count=3)
+    exp = JSONLExporter(path, max_bytes=int(line * 1.5), backup_count=3, modules_every=1)
     export_all(exp, [make_report(s) for s in range(1, 4)])
     exp.shutdown()
     for p in rotated_files(path):
@@ -359,7 +360,7 @@ def test_index_paired_through_rotation_and_stale_index_dropped(tmp_path: Path) -
 def test_read_reports_ignores_index_files(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     reports = [make_report(s) for s in range(1, 4)]
-    exp = JSONLExporter(path)
+    exp = JSONLExporter(path, modules_every=1)
     export_all(exp, reports)
     exp.shutdown()
     assert rotated_files(path) == [str(path)]
@@ -372,7 +373,7 @@ def test_index_write_failure_counted_never_raises(tmp_path: Path, caplog: pytest
     path = tmp_path / "run.jsonl"
     blocker = Path(str(path) + ".index")
     blocker.mkdir()  # the index cannot be opened
-    exp = JSONLExporter(path)
+    exp = JSONLExporter(path, modules_every=1)
     with caplog.at_level(logging.WARNING, logger="fsdp_mem_otel"):
         export_all(exp, [make_report(1), make_report(2)])
         assert (exp.errors_total, exp.lines_total) == (2, 2)  # the data lines are written all the same
@@ -388,9 +389,9 @@ def test_index_write_failure_counted_never_raises(tmp_path: Path, caplog: pytest
 
 def test_index_can_be_turned_off(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
-    exp = JSONLExporter(path, index=False)
+    exp = JSONLExporter(path, index=False, modules_every=1)
     export_all(exp, [make_report(1)])
     exp.shutdown()
     assert os.listdir(tmp_path) == ["run.jsonl"]
     with pytest.raises(TypeError):
-        JSONLExporter(path, index=1)  # type: ignore[arg-type]
+        JSONLExporter(path, index=1, modules_every=1)  # type: ignore[arg-type]
