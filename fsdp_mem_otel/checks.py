@@ -6,7 +6,9 @@ of range a ``ValueError``; each message names the argument and what it accepts.
 
 from __future__ import annotations
 
+import argparse
 import os
+from collections.abc import Callable
 
 
 def check_int(name: str, value: object, minimum: int = 0, maximum: int | None = None) -> int:
@@ -69,3 +71,19 @@ def check_tls(certfile: object, keyfile: object, client_cafile: object, prefix: 
                 raise TypeError(f"{name} must be a file path or None; got {type(path).__name__}")
             if must_exist and not os.path.isfile(path):
                 raise ValueError(f"{name}: no such file {os.fspath(path)!r}")
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number >= ``minimum``, with an error naming what is accepted."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}; got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}; got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from fsdp_mem_otel.checks import int_at_least
 from fsdp_mem_otel.jsonl_format import main_device, read_reports
 from fsdp_mem_otel.schema import CATEGORY_KEYS, DEEP, PEAK_BACKWARD, PEAK_FORWARD, StepReport
 
@@ -179,16 +180,6 @@ def render_html_section(c: Comparison, top: int | None = 50) -> str:
     return "".join(parts)
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0; got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0; got {text!r}")
-    return value
-
-
 def compare_main(argv: Sequence[str] | None = None) -> int:
     """``fsdp-mem-otel compare A B [--step N] [--rank R] [--top K]``."""
     p = argparse.ArgumentParser(
@@ -198,10 +189,10 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("a", metavar="A.jsonl",
                    help="the baseline: a run's JSONL (rotated files are read too) or an estimate")
     p.add_argument("b", metavar="B.jsonl", help="the run compared with it")
-    p.add_argument("--step", type=_non_negative, default=None,
+    p.add_argument("--step", type=int_at_least(0), default=None,
                    help="compare this step of both (default: each run's last deep step, else its last)")
-    p.add_argument("--rank", type=_non_negative, default=0, help="the rank compared (default 0)")
-    p.add_argument("--top", type=_non_negative, default=20, help="module rows shown (default 20; 0 = all)")
+    p.add_argument("--rank", type=int_at_least(0), default=0, help="the rank compared (default 0)")
+    p.add_argument("--top", type=int_at_least(0), default=20, help="module rows shown (default 20; 0 = all)")
     args = p.parse_args(argv)
     try:
         c = compare_runs(args.a, args.b, step=args.step, rank=args.rank)

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fsdp_mem_otel.checks import int_at_least
 from fsdp_mem_otel.jsonl_format import Progress, RunIndex, main_device, quiet, rotated_files, scan_files, step_peak
 from fsdp_mem_otel.schema import CATEGORIES, DEEP, FORWARD_PASS_STATES, STATES, TOTAL, StepReport
 
@@ -592,24 +593,8 @@ def write_report(paths: Sequence[str], out: str, *, step: int | None = None, ran
 
 
 # -- command line --------------------------------------------------------------------------------
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0; got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0; got {value}")
-    return value
+_positive = int_at_least(1)
+_non_negative = int_at_least(0)
 
 
 def report_main(argv: Sequence[str] | None = None) -> int:
