@@ -44,7 +44,13 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_mem_otel import catalog as cat
-from fsdp_mem_otel.alerts import REC_JOB_MODULE_PEAK, REC_JOB_MODULE_SKEW, RECORDED_LABELS
+from fsdp_mem_otel.alerts import (
+    REC_JOB_MODULE_PEAK,
+    REC_JOB_MODULE_SKEW,
+    REC_JOB_PEAK_MAX,
+    REC_RANK_PEAK,
+    RECORDED_LABELS,
+)
 
 #: the grafana-foundation-sdk build these dashboards are generated with (Grafana 11.6 types)
 SDK_REQUIREMENT = "grafana-foundation-sdk==1769699379!11.6.0"
@@ -57,6 +63,9 @@ TAG = "fsdp-mem-otel"
 #: group-by keys: one series per rank, per job
 RANK_KEY = "namespace, job_name, pod, rank"
 JOB_KEY = "namespace, job_name"
+#: the labels of the recorded per-rank and per-job series
+_RANK = "namespace, job_name, rank"
+_JOB = JOB_KEY
 
 Matcher = tuple[str, str, str]  # (label, op, value)
 
@@ -353,6 +362,11 @@ def fleet_overview(sdk: Any) -> Dashboard:
     _variables(b, multi_job=True, baseline=True)
     peak = total(cat.STEP_PEAK_BYTES, s)
     dev_total = sel(cat.DEVICE_TOTAL_BYTES, s)
+    # the step-peak panels read the recording rules' series: one per rank or per job, not one per
+    # rank x device x category ($pod does not apply to them)
+    jobs = (("namespace", "=~", "$namespace"), ("job_name", "=~", "$job"))
+    rank_peak = recorded(REC_RANK_PEAK, *jobs, ("rank", "=~", "$rank"))
+    job_peak = recorded(REC_JOB_PEAK_MAX, *jobs)
 
     b.row("Fleet")
     b.add(stat(sdk, "short"), "Jobs reporting", "Jobs with at least one rank exporting now.",
@@ -370,15 +384,15 @@ def fleet_overview(sdk: Any) -> Dashboard:
           [Query(f"sum(max by ({RANK_KEY}, device) (increase({sel(cat.ALLOC_RETRIES_TOTAL, s)}[$__range])))",
                  instant=True, cuda_only=True)], 4, 4)
     b.add(stat(sdk, "bytes"), "Largest step peak", "Largest tracked step peak over the selected ranks now.",
-          [Query(f"max({peak})", instant=True)], 4, 4)
+          [Query(f"max({rank_peak})", instant=True)], 4, 4)
 
     b.row("Step peak")
     b.add(timeseries(sdk, "bytes", legend_table=True), "Step peak per job and rank",
           "Tracked bytes at each rank's step peak (all categories).",
-          [Query(f"max by ({RANK_KEY}) ({peak})", "{{job_name}} r{{rank}}")], 16, 9)
+          [Query(f"max by ({_RANK}) ({rank_peak})", "{{job_name}} r{{rank}}")], 16, 9)
     b.add(table(sdk, "bytes", sort="Value", transformations=[_hide_time()]), "Step peak per job (largest rank)",
           "The largest rank's step peak of each job, now.",
-          [Query(f"max by ({JOB_KEY}) ({peak})", instant=True, table=True)], 8, 9)
+          [Query(f"max by ({_JOB}) ({job_peak})", instant=True, table=True)], 8, 9)
     headroom = (
         f'label_replace(max by ({RANK_KEY}, device) ({dev_total}) - on ({RANK_KEY}, device) '
         f'max by ({RANK_KEY}, device) ({peak}), "measure", "headroom to device capacity", "", "")'
@@ -397,19 +411,18 @@ def fleet_overview(sdk: Any) -> Dashboard:
           12, 8)
 
     b.row("Regressions")
-    earlier = f"max_over_time({peak}[$baseline] offset $baseline)"
+    earlier = f"max_over_time({job_peak}[$baseline] offset $baseline)"
     b.add(table(sdk, "percentunit", sort="Value", transformations=[_hide_time()],
                 thresholds=_thresholds(sdk, (None, "green"), (0.02, "yellow"), (0.05, "red"))),
           "Step peak change vs earlier window (regressions first)",
           "Largest step peak now over the largest step peak in the $baseline window that ended $baseline ago, "
           "minus 1. Red: grew by more than 5%.",
-          [Query(f"max by ({JOB_KEY}) ({peak}) / max by ({JOB_KEY}) ({earlier}) - 1", instant=True, table=True)],
+          [Query(f"max by ({_JOB}) ({job_peak}) / max by ({_JOB}) ({earlier}) - 1", instant=True, table=True)],
           12, 8)
     b.add(timeseries(sdk, "bytes"), "Step peak now and $baseline earlier",
           "Each job's largest step peak, and the same series shifted by $baseline.",
-          [Query(f"max by ({JOB_KEY}) ({peak})", "{{job_name}}"),
-           Query(f"max by ({JOB_KEY}) ({sel(cat.STEP_PEAK_BYTES, s, category='total')} offset $baseline)",
-                 "{{job_name}} ($baseline earlier)")], 12, 8)
+          [Query(f"max by ({_JOB}) ({job_peak})", "{{job_name}}"),
+           Query(f"max by ({_JOB}) ({job_peak} offset $baseline)", "{{job_name}} ($baseline earlier)")], 12, 8)
 
     b.row("Allocator and tracker health")
     b.add(timeseries(sdk, "short"), "OOMs and allocator retries per job",
