@@ -117,10 +117,12 @@ def test_closure_step_is_labelled_like_the_plain_loop(fsdp: int, mode: str) -> N
         assert res.errors == 0
         plain, closure = res.plain, res.closure
         # the oracle: the plain loop's breakdown of the same step. The step peak's instant may
-        # move with gloo's asynchronous frees, so its totals agree within 2%, its optimizer state
-        # within 1%; the exact checks are at the module states below.
+        # move with gloo's asynchronous frees (on a loaded CI machine by 8.5% of the total once,
+        # a collective's buffers still alive or not), so totals agree within 10%, the optimizer
+        # state (what a closure mislabels: +65% before the fix) within 1%; the exact checks are at
+        # the module states below.
         ours, theirs = closure["peak"]["cpu"], plain["peak"]["cpu"]
-        assert abs(ours["total"] - theirs["total"]) <= 0.02 * theirs["total"]
+        assert abs(ours["total"] - theirs["total"]) <= 0.10 * theirs["total"]
         assert abs(ours["optimizer_state"] - theirs["optimizer_state"]) <= 0.01 * theirs["optimizer_state"]
         # at every state of every module, what the closure could mislabel is labelled alike
         # (temporaries freed by gloo's asynchronous collectives may differ between two runs)
