@@ -21,11 +21,12 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test]"
 # .venv-torch2.14: the tracker's FSDP tests run a second time on torch 2.14.1 (a CUDA build that
-# also runs on CPU), the other end of the supported range; only what those tests import.
+# also runs on CPU), the other end of the supported range; only what those tests import
+# (transformers: the light-activation tests train a Llama from config).
 [ -x .venv-torch2.14/bin/python ] || "$PY" -m venv .venv-torch2.14
 .venv-torch2.14/bin/python -m pip install -q --upgrade pip
 .venv-torch2.14/bin/python -m pip install -q "torch==2.14.1"
-.venv-torch2.14/bin/python -m pip install -q -e . "pytest>=8" "pytest-timeout>=2.3"
+.venv-torch2.14/bin/python -m pip install -q -e . "pytest>=8" "pytest-timeout>=2.3" "transformers==5.23.0"
 # .venv-slim: a plain, non-editable install without torch, as in the sidecar image: serve,
 # report, rules and dashboards must work there (tests/test_slim_install.py).
 [ -x .venv-slim/bin/python ] || "$PY" -m venv .venv-slim
