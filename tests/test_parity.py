@@ -26,9 +26,27 @@ def test_step_peak_matches_upstream_per_category(parity: list[dict[str, Any]]) -
         assert res["errors"] == 0
 
 
+def _grad_shard(deep: dict[str, Any]) -> int:
+    """The largest gradient shard one module's post-backward adds (our deep report)."""
+    out = 0
+    for mod in deep["modules"].values():
+        snaps = mod["snapshots"]
+        if snaps.get("before_post_backward") and snaps.get("after_post_backward"):
+            before = snaps["before_post_backward"][0]["cpu"]["sharded_grad"]
+            after = snaps["after_post_backward"][0]["cpu"]["sharded_grad"]
+            out = max(out, after - before)
+    return out
+
+
+#: at a backward peak, what gloo's asynchronous reduce-scatter moves: whether the next module's
+#: gradient shard already exists at the peak instant differs between two runs (seen in CI)
+_ASYNC = ("sharded_grad", "reduce_scatter", "temp")
+
+
 def test_module_peaks_match_upstream(parity: list[dict[str, Any]]) -> None:
     for res in parity:
         tolerance = 0.01 * res["upstream_peak"]["cpu"][TOTAL]
+        shard = _grad_shard(res["deep"])
         assert set(res["upstream_modules"]) == set(res["deep"]["module_order"])
         compared = 0
         for key, states in res["upstream_modules"].items():
@@ -38,7 +56,8 @@ def test_module_peaks_match_upstream(parity: list[dict[str, Any]]) -> None:
                 assert len(ours) == len(theirs) == 1, (key, ours_state)
                 for cat in CATEGORY_KEYS:
                     a, b = ours[0]["cpu"][cat], theirs[0]["cpu"][cat]
-                    assert abs(a - b) <= tolerance, (key, ours_state, cat, a, b)
+                    slack = shard if ours_state == "peak_backward" and cat in (*_ASYNC, TOTAL) else 0
+                    assert abs(a - b) <= tolerance + slack, (key, ours_state, cat, a, b)
                     compared += 1
         assert compared == len(res["upstream_modules"]) * 2 * len(CATEGORY_KEYS)
 
