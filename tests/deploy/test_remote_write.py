@@ -23,6 +23,7 @@ import yaml
 from fsdp_mem_otel.alerts import REC_JOB_MODULE_PEAK, REC_JOB_PEAK_MAX, REC_RANK_PEAK, RECORDED_LABELS
 from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
 from fsdp_mem_otel.identity import Identity
+from tests.dashboards.test_live_prometheus import _wait_ready
 from tests.exporters.prom_workers import free_ports
 from tests.exporters.test_prometheus import small_report
 
@@ -43,17 +44,8 @@ def _start(args: list[str], log: Path, base: str) -> subprocess.Popen[bytes]:
     prometheus = shutil.which("prometheus")
     assert prometheus is not None, "needs the Prometheus server (Debian package prometheus)"
     proc = subprocess.Popen([prometheus, *args, "--log.level=warn"], stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()
-        try:
-            with urllib.request.urlopen(f"{base}/-/ready", timeout=2) as resp:
-                if resp.status == 200:
-                    return proc
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"prometheus did not become ready: {log.read_text()}")
+    _wait_ready(base, proc)
+    return proc
 
 
 @pytest.fixture(scope="module")
