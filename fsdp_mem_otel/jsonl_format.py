@@ -9,9 +9,10 @@ compact entry per data line: ``{"length": L, "offset": O, "report": {...}}``, th
 step-level fields (``INDEX_OMITS`` left out) and where the whole line is. Rotation moves
 ``path`` -> ``path.1`` -> ... with each index following its data file.
 
-Reading: ``read_reports`` parses whole lines; ``scan_files`` reads only the step-level fields
-(from a consistent index, else around ``"modules"``) and returns a ``RunIndex`` that re-reads the
-complete line of a step only when asked. A line that does not parse is skipped with a warning.
+Reading: ``read_reports`` parses whole lines; ``scan`` reads only the step-level fields (from a
+consistent index, else around ``"modules"``), one file at a time, and ``read_line`` reads back
+the complete line of a step when a chart needs its modules (``run_index.RunIndex`` keeps where
+each line is). A line that does not parse is skipped with a warning.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ import re
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from fsdp_mem_otel.schema import TOTAL, StepReport
 
@@ -179,6 +179,11 @@ def main_device(reports: Iterable[StepReport]) -> str:
     for r in reports:
         for dev, cats in r.peak.items():
             best[dev] = max(best.get(dev, 0), int(cats.get(TOTAL, 0)))
+    return pick_main_device(best)
+
+
+def pick_main_device(best: dict[str, int]) -> str:
+    """Of device -> largest step peak: the non-host device with the largest, else "cpu"."""
     accel = {d: v for d, v in best.items() if d != "cpu"}
     if accel:
         return max(sorted(accel), key=lambda d: accel[d])
@@ -189,88 +194,16 @@ def step_peak(report: StepReport, device: str) -> int:
     return int(report.peak.get(device, {}).get(TOTAL, 0))
 
 
-@dataclass
-class _Where:
-    path: str
-    start: int
-    end: int
-
-
-@dataclass
-class RunIndex:
-    """Step reports by rank (sorted by step); ``full(rank, step)`` gives one with its modules.
-
-    Built from complete reports (``RunIndex.of(reports)``) or by :func:`scan_files`, whose
-    reports carry step-level fields only and whose modules are read back from the file on demand.
-    A (rank, step) seen twice keeps the later report (counted in ``duplicates``).
-    """
-
-    by_rank: dict[int, list[StepReport]]
-    duplicates: int = 0
-    _where: dict[tuple[int, int], _Where] = field(default_factory=dict)
-    _cache: dict[tuple[int, int], StepReport | None] = field(default_factory=dict)
-    _devices: dict[int, str] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, reports: Iterable[StepReport], where: dict[int, _Where] | None = None) -> RunIndex:
-        latest: dict[tuple[int, int], StepReport] = {}
-        locs: dict[tuple[int, int], _Where] = {}
-        dup = 0
-        for i, r in enumerate(reports):
-            key = (r.rank, r.step)
-            if key in latest:
-                dup += 1
-            latest[key] = r
-            if where is not None and i in where:
-                locs[key] = where[i]
-        by_rank: dict[int, list[StepReport]] = {}
-        for (rank, _), r in sorted(latest.items()):
-            by_rank.setdefault(rank, []).append(r)
-        return cls(by_rank, dup, locs)
-
-    @property
-    def ranks(self) -> list[int]:
-        return sorted(self.by_rank)
-
-    def get(self, rank: int, step: int) -> StepReport | None:
-        for r in self.by_rank.get(rank, []):
-            if r.step == step:
-                return r
-        return None
-
-    def device(self, rank: int) -> str:
-        """The rank's main device (see :func:`main_device`)."""
-        if rank not in self._devices:
-            self._devices[rank] = main_device(self.by_rank.get(rank, []))
-        return self._devices[rank]
-
-    def full(self, rank: int, step: int) -> StepReport | None:
-        """The report of ``step`` on ``rank`` with its module snapshots (None if absent)."""
-        key = (rank, step)
-        if key in self._cache:
-            return self._cache[key]
-        loc = self._where.get(key)
-        report = self.get(rank, step) if loc is None else _read_line(loc)
-        if loc is not None and report is not None and (report.rank, report.step) != key:
-            warnings.warn(f"{loc.path}: line at byte {loc.start} holds rank {report.rank} step {report.step}, "
-                          f"not rank {rank} step {step} (file changed since it was indexed?)",
-                          RuntimeWarning, stacklevel=2)
-            report = None
-        if report is not None and report.modules_from is not None and not report.modules \
-                and report.modules_from < step:  # written without snapshots: those of an earlier line
-            report = fill_modules(report, self.full(rank, report.modules_from))
-        self._cache[key] = report
-        return report
-
-
-def _read_line(loc: _Where) -> StepReport | None:
-    with open(loc.path, "rb") as f:
-        f.seek(loc.start)
-        raw = f.read(loc.end - loc.start)
+def read_line(path: str, start: int, end: int) -> StepReport | None:
+    """The complete report of the line at bytes ``start`` .. ``end`` of ``path`` (None, with a
+    warning, if it does not parse)."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        raw = f.read(end - start)
     try:
         return StepReport.from_dict(json.loads(raw))
     except LINE_ERRORS as exc:
-        warnings.warn(f"{loc.path}: line at byte {loc.start} does not parse ({exc})", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"{path}: line at byte {start} does not parse ({exc})", RuntimeWarning, stacklevel=2)
         return None
 
 
@@ -308,13 +241,24 @@ PARALLEL_BYTES = 256 * 1024 * 1024
 _CHUNK = 16 * 1024 * 1024
 
 
-def scan_files(paths: Sequence[str], progress: Progress = quiet, workers: int | None = None) -> RunIndex:
-    """Read the step-level fields of every report in ``paths`` (each with its rotated
-    predecessors, oldest first, as ``read_reports`` does). Raises FileNotFoundError for a path
-    with no file and ValueError for one without a single readable report.
+class ScannedFile(NamedTuple):
+    """One data file's step-level reports, the (start, end) byte span of each line, in file order."""
+
+    group: str  # the path given (the file is it or one of its rotated predecessors)
+    path: str
+    reports: list[StepReport]
+    spans: list[tuple[int, int]]
+
+
+def scan(paths: Sequence[str], progress: Progress = quiet, workers: int | None = None) -> Iterator[ScannedFile]:
+    """The step-level fields of every report in ``paths`` (each with its rotated predecessors,
+    oldest first, as ``read_reports`` does), one file at a time in that order, so a reader keeps
+    only what it summarises. Raises FileNotFoundError for a path with no file and ValueError for
+    one without a single readable report (when its last file has been read).
 
     Reading is bound by the disk: past PARALLEL_BYTES, ``workers`` processes (default: up to 2,
-    at most the CPU count) read one file each, which keeps two reads in flight."""
+    at most the CPU count) read the files that have no usable index, which keeps two reads in
+    flight."""
     if not paths:
         raise ValueError("paths: give at least one JSONL file")
     given = [p for p in paths if not is_index_path(p)]
@@ -329,54 +273,52 @@ def scan_files(paths: Sequence[str], progress: Progress = quiet, workers: int | 
         if not files:
             raise FileNotFoundError(f"{p}: no such file (nor rotated {p}.N)")
         groups.append((p, files))
-    results: dict[str, _Scanned] = {}
-    t0 = time.perf_counter()
-    todo: list[str] = []
-    for f in (f for _, files in groups for f in files):
-        if f in results or f in todo:
-            continue
-        indexed = _from_index(f, progress)
-        if indexed is None:
-            todo.append(f)
-        else:
-            results[f] = indexed
-            progress(f"read {f} via its index: {len(indexed[0])} steps, {os.path.getsize(f) / 1e6:.1f} MB of data "
-                     f"({time.perf_counter() - t0:.1f} s since start of reading)")
-    total = sum(os.path.getsize(f) for f in todo)
+    order = [(p, f) for p, files in groups for f in files]
+    unindexed = {f for _, f in order if not os.path.exists(index_path(f))}
+    total = sum(os.path.getsize(f) for f in unindexed)
     if workers is None:
-        workers = min(2, os.cpu_count() or 1, len(todo)) if total >= PARALLEL_BYTES else 1
-
-    def done(path: str, res: _Scanned) -> None:
-        results[path] = res
-        progress(f"read {path}: {len(res[0])} steps, {os.path.getsize(path) / 1e6:.1f} MB "
-                 f"({time.perf_counter() - t0:.1f} s since start of reading)")
-
-    if workers > 1 and todo:
+        workers = min(2, os.cpu_count() or 1, len(unindexed)) if total >= PARALLEL_BYTES else 1
+    t0 = time.perf_counter()
+    counts = dict.fromkeys((p for p, _ in groups), 0)
+    last_of = {p: files[-1] for p, files in groups}
+    pool = None
+    pending: dict[str, Any] = {}
+    if workers > 1 and unindexed:
         import concurrent.futures
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
-        with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-            futures = {pool.submit(_scan_one, f): f for f in todo}
-            for fut in concurrent.futures.as_completed(futures):
-                done(futures[fut], fut.result())
-    else:
-        for f in todo:
-            done(f, _scan_one(f))
-    reports: list[StepReport] = []
-    where: dict[int, _Where] = {}
-    for p, files in groups:
-        before = len(reports)
-        for f in files:
-            got, spans, warned = results[f]
+        pool = concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+    try:
+        ahead = 0
+        for i, (group, f) in enumerate(order):
+            if pool is not None:  # keep up to 2 x workers unindexed files in flight, in order
+                while ahead < len(order) and len(pending) < 2 * workers:
+                    _, g = order[ahead]
+                    ahead += 1
+                    if g in unindexed and g not in pending:
+                        pending[g] = pool.submit(_scan_one, g)
+            if f in pending:
+                progress(f"{f}: no index ({os.path.basename(index_path(f))}); reading the whole file")
+            indexed = None if f in pending else _from_index(f, progress)
+            if indexed is not None:
+                got = indexed
+                how = "via its index"
+            else:
+                got = pending.pop(f).result() if f in pending else _scan_one(f)
+                how = "scanned"
+            reports, spans, warned = got
             for msg in warned:
                 warnings.warn(msg, RuntimeWarning, stacklevel=2)
-            for r, (start, end) in zip(got, spans, strict=True):
-                where[len(reports)] = _Where(f, start, end)
-                reports.append(r)
-        if len(reports) == before:
-            raise ValueError(f"{p}: no step reports in it (empty file, or no line parses)")
-    return RunIndex.of(reports, where)
+            progress(f"read {f} ({how}): {len(reports)} steps, {os.path.getsize(f) / 1e6:.1f} MB "
+                     f"({time.perf_counter() - t0:.1f} s since start of reading; file {i + 1} of {len(order)})")
+            counts[group] += len(reports)
+            yield ScannedFile(group, f, reports, spans)
+            if f == last_of[group] and not counts[group]:
+                raise ValueError(f"{group}: no step reports in it (empty file, or no line parses)")
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
 
 
 _Scanned = tuple[list[StepReport], list[tuple[int, int]], list[str]]

@@ -29,10 +29,15 @@ read module detail only for the few selected steps.
 
 Reading large runs: a line is ``StepReport.to_dict()`` with sorted keys, and nearly all of its
 bytes are in ``modules``. :func:`scan_files` parses only the step-level fields around it (the
-text before ``"module_order"`` and from the last ``"peak"``), remembers where each line is, and
-:class:`RunIndex` re-reads the complete line of a step only when a chart needs its modules. A
-line that does not split that way is parsed whole; one that does not parse is skipped with a
-warning, like ``read_reports``.
+text before ``"module_order"`` and from the last ``"peak"``), one file at a time, and keeps of
+each step only the figures the charts draw, as per-rank columns (``run_index.StepSeries``, ~250
+bytes a step: a 1,024-rank job of 1,000 steps in a few hundred MB); :class:`RunIndex` re-reads
+the complete line of a step only when a chart needs its modules. A line that does not split that
+way is parsed whole; one that does not parse is skipped with a warning, like ``read_reports``.
+
+Many ranks: the per-step chart draws ``--max-ranks`` ranks (default 8: the highest step peaks
+and the selected rank); :func:`fleet_figure` then shows, per step, the highest, median and
+lowest step peak over every rank. The heatmap reads every rank's line at one or two steps.
 
 Side index: where a data file has a consistent ``<file>.index`` (written by ``JSONLExporter``:
 one entry per line with its step-level fields, byte offset and length), the step series come from
@@ -48,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import html
-import math
 import os
 import sys
 import time
@@ -60,13 +64,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fsdp_mem_otel.checks import int_at_least
-from fsdp_mem_otel.jsonl_format import Progress, RunIndex, main_device, quiet, rotated_files, scan_files, step_peak
-from fsdp_mem_otel.schema import CATEGORIES, DEEP, FORWARD_PASS_STATES, STATES, TOTAL, StepReport
+from fsdp_mem_otel.jsonl_format import Progress, main_device, quiet, rotated_files, step_peak
+from fsdp_mem_otel.run_index import RunIndex, StepSeries, scan_files
+from fsdp_mem_otel.schema import CATEGORIES, FORWARD_PASS_STATES, STATES, TOTAL, StepReport
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
 
 DEFAULT_MAX_POINTS = 2000
+#: ranks drawn in the per-step chart (the highest-peak ones); the fleet chart covers every rank
+DEFAULT_MAX_RANKS = 8
 #: category -> colour (plotly's qualitative palettes, fixed so pages compare side by side)
 CATEGORY_COLORS: dict[str, str] = dict(
     zip(
@@ -82,8 +89,8 @@ _UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
 _PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
 _FWD = FORWARD_PASS_STATES
 
-__all__ = ["RunIndex", "build_report", "downsample", "main_device", "render_html", "report_main", "scan_files",
-           "step_figure", "step_peak", "write_report"]
+__all__ = ["RunIndex", "build_report", "downsample", "fleet_figure", "main_device", "render_html", "report_main",
+           "scan_files", "step_figure", "step_peak", "write_report"]
 
 
 def _plotly() -> Any:
@@ -114,7 +121,19 @@ def allocator_value(report: StepReport, device: str, keys: str) -> float | None:
     return None
 
 
-def downsample(peaks: Sequence[float], keep: Sequence[bool], max_points: int) -> list[int]:
+def allocator_column(series: StepSeries, device: str, keys: str) -> np.ndarray | None:
+    """Per step, the first of ``keys`` ("a|b") the step reported (NaN where none); None if no step
+    reported any (as :func:`allocator_value`, for a whole series)."""
+    out: np.ndarray | None = None
+    for key in keys.split("|"):
+        col = series.allocator_values(device, key)
+        if col is None:
+            continue
+        out = col.copy() if out is None else np.where(np.isnan(out), col, out)
+    return out
+
+
+def downsample(peaks: Sequence[float] | np.ndarray, keep: Sequence[bool] | np.ndarray, max_points: int) -> list[int]:
     """Indices to draw: all when ``len(peaks) <= max_points``; else, out of ``max_points`` equal
     runs of consecutive indices, the index of each run's largest value (first on ties), plus
     every index where ``keep`` is true. Sorted; always holds the overall maximum."""
@@ -123,11 +142,12 @@ def downsample(peaks: Sequence[float], keep: Sequence[bool], max_points: int) ->
         raise ValueError(f"max_points must be >= 1; got {max_points}")
     if n <= max_points:
         return list(range(n))
-    chosen = {i for i in range(n) if keep[i]}
+    values = np.asarray(peaks)
+    chosen = set(np.flatnonzero(np.asarray(keep, dtype=bool)).tolist())
     for b in range(max_points):
         lo, hi = n * b // max_points, n * (b + 1) // max_points
         if hi > lo:
-            chosen.add(max(range(lo, hi), key=lambda i: (peaks[i], -i)))
+            chosen.add(lo + int(np.argmax(values[lo:hi])))
     return sorted(chosen)
 
 
@@ -150,30 +170,44 @@ def _abort_text(r: StepReport) -> str:
     return f"step {r.step} aborted ({kind}) in {where}: {a.message[:160]}"
 
 
-def step_figure(index: RunIndex, *, max_points: int = DEFAULT_MAX_POINTS, unit: tuple[str, int] | None = None,
-                rank: int | None = None) -> go.Figure:
-    """Per step: the step peak stacked by category, allocator lines, deep / aborted markers.
-    One set of traces per rank (``meta`` = {"rank": r}); a menu shows one rank at a time."""
-    go_mod = _plotly()
+def drawn_ranks(index: RunIndex, shown: int, max_ranks: int) -> list[int]:
+    """The ranks the per-step chart draws: all up to ``max_ranks``, else ``shown`` and the ranks
+    with the highest step peaks (ties: lower rank), ``max_ranks`` in all, in rank order."""
     ranks = index.ranks
+    if len(ranks) <= max_ranks:
+        return ranks
+    best = sorted(ranks, key=lambda rk: (-_rank_peak(index, rk), rk))
+    chosen = {shown, *[rk for rk in best if rk != shown][: max_ranks - 1]}
+    return sorted(chosen)
+
+
+def _rank_peak(index: RunIndex, rank: int) -> int:
+    return int(index.series[rank].totals(index.device(rank)).max(initial=0))
+
+
+def step_figure(index: RunIndex, *, max_points: int = DEFAULT_MAX_POINTS, unit: tuple[str, int] | None = None,
+                rank: int | None = None, max_ranks: int = DEFAULT_MAX_RANKS) -> go.Figure:
+    """Per step: the step peak stacked by category, allocator lines, deep / aborted markers.
+    One set of traces per rank (``meta`` = {"rank": r}); a menu shows one rank at a time. Of
+    more than ``max_ranks`` ranks, the highest-peak ones are drawn (:func:`drawn_ranks`)."""
+    go_mod = _plotly()
+    shown = rank if rank is not None else index.ranks[0]
+    ranks = drawn_ranks(index, shown, max_ranks)
     unit = unit or pick_unit(_max_plotted(index))
     uname, scale = unit
-    shown = rank if rank is not None else ranks[0]
     fig = go_mod.Figure()
     spans: dict[int, tuple[int, int]] = {}
     for rk in ranks:
-        reports = index.by_rank[rk]
+        series = index.series[rk]
         dev = index.device(rk)
-        peaks = [step_peak(r, dev) for r in reports]
-        keep = [r.mode == DEEP or r.aborted is not None for r in reports]
-        idx = downsample(peaks, keep, max_points)
-        kept = [reports[i] for i in idx]
-        xs = np.array([r.step for r in kept], dtype=np.int64)
+        peaks = series.totals(dev)
+        idx = np.array(downsample(peaks, series.deep | series.aborted, max_points), dtype=np.int64)
+        xs = series.steps[idx]
         first = len(fig.data)
         visible = rk == shown
         meta = {"rank": rk, "device": dev}
         for cat in CATEGORIES:
-            ys = np.array([r.peak.get(dev, {}).get(cat, 0) for r in kept], dtype=np.float64) / scale
+            ys = series.category(dev, cat)[idx].astype(np.float64) / scale
             if not ys.any():
                 continue
             fig.add_scatter(x=xs, y=ys, name=cat, stackgroup=f"r{rk}", mode="lines", line={"width": 0.5},
@@ -181,26 +215,25 @@ def step_figure(index: RunIndex, *, max_points: int = DEFAULT_MAX_POINTS, unit: 
                             visible=visible, meta={**meta, "kind": "category", "category": cat},
                             hovertemplate=f"step %{{x}}<br>{cat}: %{{y:.4~f}} {uname}<extra>rank {rk}</extra>")
         for label, keys in allocator_series(dev):
-            vals = [allocator_value(r, dev, keys) for r in kept]
-            if all(v is None for v in vals):
+            col = allocator_column(series, dev, keys)
+            if col is None or np.isnan(col[idx]).all():
                 continue
-            ys2 = np.array([math.nan if v is None else v for v in vals], dtype=np.float64) / scale
-            fig.add_scatter(x=xs, y=ys2, name=label, mode="lines", visible=visible,
+            fig.add_scatter(x=xs, y=col[idx] / scale, name=label, mode="lines", visible=visible,
                             line={"width": 1.5, "dash": "dot" if "allocated" in label else "solid",
                                   "color": "#222" if "allocated" in label else "#777"},
                             meta={**meta, "kind": "allocator", "keys": keys},
                             hovertemplate=f"step %{{x}}<br>{label}: %{{y:.4~f}} {uname}<extra>rank {rk}</extra>")
-        deep = [r for r in kept if r.mode == DEEP]
-        if deep:
-            fig.add_scatter(x=[r.step for r in deep], y=[step_peak(r, dev) / scale for r in deep], mode="markers",
+        deep = idx[series.deep[idx]]
+        if len(deep):
+            fig.add_scatter(x=series.steps[deep].tolist(), y=(peaks[deep] / scale).tolist(), mode="markers",
                             name="deep step", visible=visible, meta={**meta, "kind": "deep"},
                             marker={"symbol": "diamond", "size": 6, "color": DEEP_COLOR},
                             hovertemplate=f"deep step %{{x}}: peak %{{y:.4~f}} {uname}<extra>rank {rk}</extra>")
-        aborted = [r for r in kept if r.aborted is not None]
-        if aborted:
-            fig.add_scatter(x=[r.step for r in aborted], y=[step_peak(r, dev) / scale for r in aborted],
+        aborted = idx[series.aborted[idx]]
+        if len(aborted):
+            fig.add_scatter(x=series.steps[aborted].tolist(), y=(peaks[aborted] / scale).tolist(),
                             mode="markers", name="aborted step", visible=visible, meta={**meta, "kind": "aborted"},
-                            text=[_abort_text(r) for r in aborted],
+                            text=[_abort_text(series.aborts[int(st)]) for st in series.steps[aborted]],
                             marker={"symbol": "x", "size": 11, "color": ABORT_COLOR, "line": {"width": 1}},
                             hovertemplate="%{text}<br>peak %{y:.4~f} " + uname + f"<extra>rank {rk}</extra>")
         spans[rk] = (first, len(fig.data))
@@ -235,19 +268,19 @@ def step_figure(index: RunIndex, *, max_points: int = DEFAULT_MAX_POINTS, unit: 
 
 
 def _max_tracked(index: RunIndex) -> float:
-    return float(max((step_peak(r, index.device(rk)) for rk, v in index.by_rank.items() for r in v), default=0))
+    return float(max((_rank_peak(index, rk) for rk in index.ranks), default=0))
 
 
 def _max_plotted(index: RunIndex) -> float:
-    best = 0.0
-    for rk, reports in index.by_rank.items():
+    best = _max_tracked(index)
+    for rk in index.ranks:
         dev = index.device(rk)
-        for r in reports:
-            best = max(best, float(step_peak(r, dev)))
-            for _, keys in allocator_series(dev):
-                v = allocator_value(r, dev, keys)
-                if v is not None and math.isfinite(v):
-                    best = max(best, v)
+        for _, keys in allocator_series(dev):
+            col = allocator_column(index.series[rk], dev, keys)
+            if col is not None:
+                finite = col[np.isfinite(col)]
+                if len(finite):
+                    best = max(best, float(finite.max()))
     return best
 
 
@@ -339,17 +372,20 @@ def module_peaks(report: StepReport, device: str) -> dict[str, int]:
 
 
 def heatmap_figure(index: RunIndex, steps: Sequence[tuple[str, int]],
-                   unit: tuple[str, int] | None = None) -> go.Figure:
+                   unit: tuple[str, int] | None = None, progress: Progress = quiet) -> go.Figure:
     """rank x module per-module peak for each (label, step); a menu switches between steps."""
     go_mod = _plotly()
     ranks = index.ranks
     devices = {rk: index.device(rk) for rk in ranks}
     uname, scale = unit or pick_unit(_max_tracked(index))
     fig = go_mod.Figure()
+    every = max(1, len(ranks) // 8)
     for n, (label, step) in enumerate(steps):
         modules: list[str] = []
         per_rank: dict[int, dict[str, int]] = {}
-        for rk in ranks:
+        for i, rk in enumerate(ranks):
+            if len(ranks) > 64 and i % every == 0:
+                progress(f"heatmap {label}: module detail of rank {rk} ({i + 1} of {len(ranks)})")
             full = index.full(rk, step)
             if full is None:
                 continue
@@ -379,30 +415,75 @@ def heatmap_figure(index: RunIndex, steps: Sequence[tuple[str, int]],
     return fig
 
 
+def step_matrix(index: RunIndex) -> tuple[np.ndarray, np.ndarray]:
+    """(steps seen on any rank, ranks x steps matrix of the step peak on each rank's main device,
+    NaN where a rank has no report of that step); rows in ``index.ranks`` order."""
+    ranks = index.ranks
+    steps = np.unique(np.concatenate([index.series[rk].steps for rk in ranks])) if ranks else np.zeros(0, np.int64)
+    m = np.full((len(ranks), len(steps)), np.nan)
+    for i, rk in enumerate(ranks):
+        series = index.series[rk]
+        m[i, np.searchsorted(steps, series.steps)] = series.totals(index.device(rk))
+    return steps, m
+
+
 def rank_skew(index: RunIndex) -> tuple[list[int], list[int], list[str]]:
-    """(steps, max - min step peak across ranks, hover text) for steps seen on 2+ ranks."""
-    devices = {rk: index.device(rk) for rk in index.ranks}
-    per_step: dict[int, list[tuple[int, int]]] = {}
-    for rk, reports in index.by_rank.items():
-        for r in reports:
-            per_step.setdefault(r.step, []).append((step_peak(r, devices[rk]), rk))
-    steps, skew, text = [], [], []
-    for s in sorted(per_step):
-        vals = per_step[s]
-        if len(vals) < 2:
-            continue
-        hi, lo = max(vals), min(vals)
-        steps.append(s)
-        skew.append(hi[0] - lo[0])
-        text.append(f"max rank {hi[1]}, min rank {lo[1]} ({len(vals)} ranks)")
-    return steps, skew, text
+    """(steps, max - min step peak across ranks, hover text) for steps seen on 2+ ranks; ties
+    name the highest rank for the max and the lowest for the min."""
+    ranks = np.array(index.ranks)
+    steps, m = step_matrix(index)
+    cols = np.flatnonzero((~np.isnan(m)).sum(axis=0) >= 2)
+    if not len(cols):
+        return [], [], []
+    sub = m[:, cols]
+    counts = (~np.isnan(sub)).sum(axis=0)
+    hi_row = len(ranks) - 1 - np.nanargmax(sub[::-1], axis=0)
+    lo_row = np.nanargmin(sub, axis=0)
+    at = np.arange(len(cols))
+    skew = (sub[hi_row, at] - sub[lo_row, at]).astype(np.int64)
+    text = [f"max rank {ranks[h]}, min rank {ranks[lo]} ({c} ranks)" for h, lo, c in zip(hi_row, lo_row, counts,
+                                                                                        strict=True)]
+    return steps[cols].tolist(), skew.tolist(), text
+
+
+def fleet_figure(index: RunIndex, *, max_points: int = DEFAULT_MAX_POINTS,
+                 unit: tuple[str, int] | None = None) -> go.Figure:
+    """Per step, the highest, median and lowest step peak across all ranks (each rank on its
+    main device), with the rank holding the highest; downsampled like the per-step chart."""
+    go_mod = _plotly()
+    ranks = np.array(index.ranks)
+    steps, m = step_matrix(index)
+    present = ~np.isnan(m)
+    hi_row = np.nanargmax(np.where(present, m, -np.inf), axis=0)
+    at = np.arange(len(steps))
+    hi = m[hi_row, at]
+    special = np.zeros(len(steps), bool)
+    for rk in index.ranks:
+        series = index.series[rk]
+        special[np.searchsorted(steps, series.steps[series.deep | series.aborted])] = True
+    idx = np.array(downsample(hi, special, max_points), dtype=np.int64)
+    uname, scale = unit or pick_unit(float(np.nanmax(hi, initial=0)))
+    xs = steps[idx]
+    fig = go_mod.Figure()
+    fig.add_scatter(x=xs, y=np.nanmin(m[:, idx], axis=0) / scale, mode="lines", name="lowest rank",
+                    line={"color": "#2CA02C"}, hovertemplate=f"step %{{x}}: lowest %{{y:.4~f}} {uname}<extra></extra>")
+    fig.add_scatter(x=xs, y=np.nanmedian(m[:, idx], axis=0) / scale, mode="lines", name="median rank",
+                    line={"color": "#1F77B4"}, hovertemplate=f"step %{{x}}: median %{{y:.4~f}} {uname}<extra></extra>")
+    fig.add_scatter(x=xs, y=hi[idx] / scale, mode="lines", name="highest rank", line={"color": ABORT_COLOR},
+                    text=[f"rank {ranks[r]} ({int(c)} ranks reported)" for r, c in
+                          zip(hi_row[idx], present[:, idx].sum(axis=0), strict=True)],
+                    hovertemplate=f"step %{{x}}: highest %{{y:.4~f}} {uname}, %{{text}}<extra></extra>")
+    fig.update_layout(title=f"Step peak across all {len(ranks)} ranks: highest, median, lowest", xaxis_title="step",
+                      yaxis_title=f"memory ({uname})", template="plotly_white", height=420,
+                      meta={"unit": uname, "scale": scale})
+    return fig
 
 
 def skew_figure(index: RunIndex, *, max_points: int = DEFAULT_MAX_POINTS,
                 unit: tuple[str, int] | None = None) -> go.Figure:
     go_mod = _plotly()
     steps, skew, text = rank_skew(index)
-    special = {r.step for rs in index.by_rank.values() for r in rs if r.mode == DEEP or r.aborted is not None}
+    special = {int(st) for series in index.series.values() for st in series.steps[series.deep | series.aborted]}
     idx = downsample(skew, [s in special for s in steps], max_points)
     uname, scale = unit or pick_unit(max(skew, default=0))
     fig = go_mod.Figure()
@@ -429,27 +510,29 @@ class Selection:
 
 
 def select_steps(index: RunIndex, step: int | None = None, rank: int | None = None) -> Selection:
-    """Highest-peak (rank, step) over the run, and the chosen step (default: the chosen rank's
-    last step; the chosen rank defaults to the one holding the highest peak)."""
-    if not index.by_rank:
+    """Highest-peak (rank, step) over the run (ties: the lower rank, then the earlier step), and
+    the chosen step (default: the chosen rank's last step; the chosen rank defaults to the one
+    holding the highest peak)."""
+    if not index.series:
         raise ValueError("no step reports")
     worst: tuple[int, int, int] | None = None
     for rk in index.ranks:
-        dev = index.device(rk)
-        for r in index.by_rank[rk]:
-            cand = (step_peak(r, dev), -rk, -r.step)
-            if worst is None or cand > worst:
-                worst = cand
+        series = index.series[rk]
+        totals = series.totals(index.device(rk))
+        i = int(np.argmax(totals))  # the first of equal maxima: the earliest step
+        cand = (int(totals[i]), -rk, -int(series.steps[i]))
+        if worst is None or cand > worst:
+            worst = cand
     assert worst is not None
     wpeak, wrank, wstep = worst[0], -worst[1], -worst[2]
     if rank is None:
         rank = wrank
-    elif rank not in index.by_rank:
+    elif rank not in index.series:
         raise ValueError(f"--rank {rank}: no reports for that rank; ranks present: {index.ranks}")
-    steps = [r.step for r in index.by_rank[rank]]
+    steps = index.series[rank].steps
     if step is None:
-        step = steps[-1]
-    elif step not in set(steps):
+        step = int(steps[-1])
+    elif index.series[rank].row(step) is None:
         raise ValueError(f"--step {step}: rank {rank} has no report for it; its steps run {steps[0]}..{steps[-1]}")
     return Selection(rank, step, wrank, wstep, wpeak)
 
@@ -464,21 +547,26 @@ class Report:
 
 
 def build_report(index: RunIndex, *, step: int | None = None, rank: int | None = None,
-                 max_points: int = DEFAULT_MAX_POINTS, progress: Progress = quiet) -> Report:
+                 max_points: int = DEFAULT_MAX_POINTS, progress: Progress = quiet,
+                 max_ranks: int = DEFAULT_MAX_RANKS) -> Report:
     """All figures of the page (see the module doc)."""
     sel = select_steps(index, step, rank)
     unit = pick_unit(_max_plotted(index))
     tunit = pick_unit(_max_tracked(index))  # module views and heatmaps: no allocator lines there
-    n_steps = sum(len(v) for v in index.by_rank.values())
-    longest = max(len(v) for v in index.by_rank.values())
+    n_steps = index.reports_total
+    longest = max(len(v) for v in index.series.values())
     progress(f"drawing per-step chart ({n_steps} reports, {len(index.ranks)} ranks)")
     figures: list[tuple[str, str, go.Figure]] = []
     ds = (f"{longest} steps drawn whole" if longest <= max_points else
           f"downsampled: {longest} steps cut into {max_points} runs, each drawn by its highest-peak step, "
           "plus every deep and aborted step")
+    drawn = drawn_ranks(index, sel.rank, max_ranks)
+    which = "" if len(drawn) == len(index.ranks) else (
+        f" Drawn for {len(drawn)} of {len(index.ranks)} ranks (the highest step peaks, and rank {sel.rank}); "
+        "the fleet chart below covers all.")
     figures.append(("steps", f"Step peak stacked by category, with the allocator on the same axis ({ds}). "
-                    "◆ deep step, ✕ aborted step (hover: module and state where it stopped).",
-                    step_figure(index, max_points=max_points, unit=unit, rank=sel.rank)))
+                    f"◆ deep step, ✕ aborted step (hover: module and state where it stopped).{which}",
+                    step_figure(index, max_points=max_points, unit=unit, rank=sel.rank, max_ranks=max_ranks)))
     progress(f"reading module detail: step {sel.step} (rank {sel.rank}), highest peak step {sel.worst_step} "
              f"(rank {sel.worst_rank})")
     views = [("selected", sel.rank, sel.step, "selected step" if step is not None else "last step")]
@@ -496,22 +584,27 @@ def build_report(index: RunIndex, *, step: int | None = None, rank: int | None =
                         "by category.", module_figure(full, device=dev, unit=tunit, title=title)))
     if len(index.ranks) > 1:
         progress("drawing cross-rank charts")
+        if len(drawn) < len(index.ranks):
+            figures.append(("fleet", "Every rank's step peak, per step: the highest (hover: which rank), the "
+                            "median and the lowest.", fleet_figure(index, max_points=max_points, unit=tunit)))
         hsteps = [(f"step {sel.worst_step} (highest peak)", sel.worst_step)]
         if sel.step != sel.worst_step:
             hsteps.append((f"step {sel.step} (selected)", sel.step))
         figures.append(("heatmap", "Per-module peak (largest total over its states) on every rank, same step.",
-                        heatmap_figure(index, hsteps, unit=tunit)))
+                        heatmap_figure(index, hsteps, unit=tunit, progress=progress)))
         figures.append(("skew", "How far apart the ranks' step peaks are, per step.",
                         skew_figure(index, max_points=max_points)))
-    aborted = [(rk, _abort_text(r)) for rk in index.ranks for r in index.by_rank[rk] if r.aborted is not None]
-    first = index.by_rank[index.ranks[0]][0]
-    deep = sum(r.mode == DEEP for v in index.by_rank.values() for r in v)
+    aborted = [(rk, _abort_text(a)) for rk in index.ranks for _, a in sorted(index.series[rk].aborts.items())]
+    first = index.series[index.ranks[0]]
+    deep = sum(int(v.deep.sum()) for v in index.series.values())
     devices = sorted({index.device(rk) for rk in index.ranks})
     summary = [
-        ("ranks", ", ".join(map(str, index.ranks)) + f" (world size {first.world_size})"),
-        ("steps", f"{min(v[0].step for v in index.by_rank.values())}..{max(v[-1].step for v in index.by_rank.values())}"
+        ("ranks", _rank_list(index.ranks) + f" (world size {first.world_size})"),
+        ("steps", f"{min(int(v.steps[0]) for v in index.series.values())}.."
+                  f"{max(int(v.steps[-1]) for v in index.series.values())}"
                   f", {n_steps} reports ({deep} deep, {len(aborted)} aborted)"),
-        ("devices", ", ".join(devices)),
+        ("devices", ", ".join(devices) if len(devices) <= 16 else
+         f"{len(devices)} devices: {', '.join(devices[:8])}, ..."),
         ("FSDP", str(first.fsdp_version)),
         ("highest step peak", f"{sel.worst_peak / tunit[1]:.4g} {tunit[0]} at step {sel.worst_step}, "
                               f"rank {sel.worst_rank}"),
@@ -519,6 +612,21 @@ def build_report(index: RunIndex, *, step: int | None = None, rank: int | None =
     if index.duplicates:
         summary.append(("duplicates", f"{index.duplicates} (rank, step) reports seen twice; the later one kept"))
     return Report(figures, summary, aborted)
+
+
+def _rank_list(ranks: list[int]) -> str:
+    """"0, 1, 2" or, for runs of consecutive ranks, "0..1023"."""
+    runs: list[str] = []
+    start = prev = None
+    for rk in [*ranks, None]:
+        if rk is not None and prev is not None and rk == prev + 1:
+            prev = rk
+            continue
+        if start is not None:
+            pair = f"{start}, {prev}" if prev == start + 1 else f"{start}..{prev}"
+            runs.append(str(start) if start == prev else pair)
+        start = prev = rk
+    return ", ".join(runs)
 
 
 _CSS = """
@@ -565,12 +673,15 @@ def render_html(report: Report, title: str = "FSDP memory report", extra_html: s
 
 def write_report(paths: Sequence[str], out: str, *, step: int | None = None, rank: int | None = None,
                  max_points: int = DEFAULT_MAX_POINTS, progress: Progress = quiet,
-                 baseline: Sequence[str] | None = None) -> int:
+                 baseline: Sequence[str] | None = None, max_ranks: int = DEFAULT_MAX_RANKS) -> int:
     """Read ``paths``, write the page to ``out`` (parents created); returns its size in bytes.
     ``baseline``: another run's (or an estimate's) JSONL, compared with this run in a section
     (``fsdp_mem_otel.compare``; rank ``rank`` or 0, step ``step`` or each run's last deep step)."""
     index = scan_files(paths, progress)
-    report = build_report(index, step=step, rank=rank, max_points=max_points, progress=progress)
+    progress(f"read {index.reports_total} step reports of {len(index.ranks)} ranks "
+             f"({sum(s.nbytes for s in index.series.values()) / 1e6:.1f} MB of step series)")
+    report = build_report(index, step=step, rank=rank, max_points=max_points, progress=progress,
+                          max_ranks=max_ranks)
     extra = ""
     if baseline:
         from fsdp_mem_otel.compare import compare, load_profile, render_html_section
@@ -613,6 +724,10 @@ def report_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-points", type=_positive, default=DEFAULT_MAX_POINTS,
                    help=f"per-step charts draw every step up to this many, else downsample (default "
                         f"{DEFAULT_MAX_POINTS})")
+    p.add_argument("--max-ranks", type=_positive, default=DEFAULT_MAX_RANKS,
+                   help=f"the per-step chart draws this many ranks, those with the highest step peaks (default "
+                        f"{DEFAULT_MAX_RANKS}); a chart of every rank's highest, median and lowest peak covers "
+                        "the rest")
     p.add_argument("--baseline", nargs="+", metavar="BASE.jsonl", default=None,
                    help="another run's (or an estimate's) JSONL: a section says what grew from it to this run, "
                         "per category and per module (as `fsdp-mem-otel compare`)")
@@ -644,7 +759,8 @@ def report_main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
             size = write_report(args.paths, args.output, step=args.step, rank=args.rank,
-                                max_points=args.max_points, progress=progress, baseline=args.baseline)
+                                max_points=args.max_points, progress=progress, baseline=args.baseline,
+                                max_ranks=args.max_ranks)
         for w in caught[:20]:
             print(f"fsdp-mem-otel report: warning: {w.message}", file=sys.stderr)
         if len(caught) > 20:

@@ -25,7 +25,7 @@ from fsdp_mem_otel import serve
 from fsdp_mem_otel.exporters.jsonl import JSONLExporter, read_reports
 from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
 from fsdp_mem_otel.identity import Identity
-from fsdp_mem_otel.jsonl_format import scan_files
+from fsdp_mem_otel.run_index import scan_files
 from tests.exporters import prom_workers
 from tests.exporters.test_prometheus import big_report, samples, small_report, value
 
@@ -250,7 +250,7 @@ def test_hostile_lines_are_skipped_with_a_warning(tmp_path: Path) -> None:
         assert [r.step for r in read_reports(path)] == [7, 8]
     with pytest.warns(RuntimeWarning):
         index = scan_files([str(path)])
-    assert [r.step for r in index.by_rank[1]] == [7, 8]
+    assert index.series[1].steps.tolist() == [7, 8]
 
 
 # -- 8. installable without torch: the sidecar's slim image ----------------------------------------

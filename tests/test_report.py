@@ -120,8 +120,10 @@ def close(a: float, b: float) -> bool:
     return a == pytest.approx(b, rel=0, abs=0)  # exact: plotted in bytes / 2**k, a power of two
 
 
-def check_page_against_jsonl(text: str, lines: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Every plotted number of the page equals the JSON lines' numbers."""
+def check_page_against_jsonl(text: str, lines: list[dict[str, Any]],
+                             drawn: set[int] | None = None) -> dict[str, dict[str, Any]]:
+    """Every plotted number of the page equals the JSON lines' numbers; the per-step chart draws
+    the ranks ``drawn`` (default: every rank)."""
     figs = page_figures(text)
     by = {(d["rank"], d["step"]): d for d in lines}  # later lines win, as in the report
     ranks = sorted({d["rank"] for d in lines})
@@ -160,7 +162,7 @@ def check_page_against_jsonl(text: str, lines: list[dict[str, Any]]) -> dict[str
             for x, t in zip(tr["x"], tr["text"], strict=True):
                 a = by[(rk, x)]["aborted"]
                 assert a is not None and a["module"] in t and a["state"] in t and a["error"] in t
-    assert seen_ranks == set(ranks)
+    assert seen_ranks == (set(ranks) if drawn is None else drawn)
 
     # module views: bars in execution order = the snapshots sorted by time, values equal
     for fid in ("fig-modules-selected", "fig-modules-worst"):
@@ -442,10 +444,16 @@ def test_real_fsdp2_run_report(tmp_path: Path) -> None:
 # -- side index ----------------------------------------------------------------------------------
 def assert_same_scan(a: RunIndex, b: RunIndex) -> None:
     """Same step-level reports and the same line locations: the two RunIndexes draw the same page."""
-    assert a.by_rank == b.by_rank
+    assert a.ranks == b.ranks
     assert a.duplicates == b.duplicates
-    assert {k: (os.path.basename(w.path), w.start, w.end) for k, w in a._where.items()} == \
-        {k: (os.path.basename(w.path), w.start, w.end) for k, w in b._where.items()}
+    for rk in a.ranks:
+        sa, sb = a.series[rk], b.series[rk]
+        assert sa == sb
+        where_a = [sa.location(int(st)) for st in sa.steps]
+        where_b = [sb.location(int(st)) for st in sb.steps]
+        assert None not in where_a and None not in where_b
+        assert [(os.path.basename(p), s, e) for p, s, e in where_a] == [(os.path.basename(p), s, e)  # type: ignore[misc]
+                                                                      for p, s, e in where_b]  # type: ignore[misc]
 
 
 def exported_run(tmp_path: Path, steps: int = 14, max_bytes: int = 0) -> list[Path]:
@@ -614,3 +622,51 @@ def test_build_report_in_memory_renders() -> None:
     text = render_html(rep)
     assert text.count("Plotly.newPlot(") == len(rep.figures) == 4  # last step is the highest: one module view
     assert_self_contained(text)
+
+
+def test_many_ranks_page_draws_top_ranks_and_a_fleet_chart(tmp_path: Path) -> None:
+    """Past --max-ranks, the per-step chart draws the highest-peak ranks (and the selected one);
+    the fleet chart's highest / median / lowest per step and the heatmap cover every rank."""
+    files = []
+    for rk in range(12):
+        reports = [synthetic(s, rk, aborted=(s == 5 and rk == 7)) for s in range(1, 9)]
+        files.append(tmp_path / f"run.rank{rk}.jsonl")
+        write_jsonl(files[-1], reports)
+    out = tmp_path / "r.html"
+    assert report_main([*map(str, files), "-o", str(out), "--max-ranks", "4", "--rank", "2", "-q"]) == 0
+    lines = raw_lines(*files)
+    dev = {rk: f"cuda:{rk}" for rk in range(12)}
+    best = {rk: max(d["peak"][dev[rk]][TOTAL] for d in lines if d["rank"] == rk) for rk in range(12)}
+    top = sorted((rk for rk in best if rk != 2), key=lambda rk: (-best[rk], rk))[:3]
+    figs = check_page_against_jsonl(out.read_text(), lines, drawn={2, *top})
+    heat = figs["fig-heatmap"]["data"][0]
+    assert [int(y.split()[-1]) for y in heat["y"]] == list(range(12))
+    fleet = figs["fig-fleet"]
+    scale = fleet["layout"]["meta"]["scale"]
+    traces = {tr["name"]: tr for tr in fleet["data"]}
+    assert traces["highest rank"]["x"] == list(range(1, 9))
+    for i, step in enumerate(range(1, 9)):
+        vals = {rk: d["peak"][dev[rk]][TOTAL] for d in lines for rk in [d["rank"]] if d["step"] == step}
+        assert traces["highest rank"]["y"][i] * scale == max(vals.values())
+        assert traces["lowest rank"]["y"][i] * scale == min(vals.values())
+        assert traces["median rank"]["y"][i] * scale == pytest.approx(float(np.median(list(vals.values()))))
+        holder = max(vals, key=lambda rk: (vals[rk], -rk))
+        assert traces["highest rank"]["text"][i].startswith(f"rank {holder} (12 ranks")
+
+
+def test_scan_keeps_columns_not_reports(tmp_path: Path) -> None:
+    """A scanned run keeps per-step columns (no StepReport but an aborted step's), and the complete
+    reports read back for charts stay within the cache bound."""
+    from fsdp_mem_otel import run_index
+
+    files = exported_run(tmp_path, steps=3 * run_index.FULL_CACHE)
+    index = scan_files(list(map(str, files)))
+    for rk in (0, 1):
+        series = index.series[rk]
+        assert series.complete == {} and sorted(series.aborts) == [5]
+        assert series.steps.tolist() == list(range(1, 3 * run_index.FULL_CACHE + 1))
+        assert series.nbytes < 400 * len(series)
+        for st in series.steps.tolist():
+            full = index.full(rk, int(st))
+            assert full is not None and full.modules and full.step == st
+    assert len(index._cache) == run_index.FULL_CACHE
