@@ -8,13 +8,32 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch.multiprocessing as mp
+#: the ranks of a run_ranks() call (its default world size), for parametrizing over its results
+WORLD_SIZE = 2
+RANKS = tuple(range(WORLD_SIZE))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_ports(n: int = 1) -> int:
+    """A port p such that p .. p+n-1 are all free on 127.0.0.1 right now."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                t = socket.socket()
+                socks.append(t)
+                t.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], q: Any) -> None:
@@ -40,7 +59,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
         q.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 300) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_SIZE, timeout: float = 300) -> list[Any]:
     """``fn(*args)`` on ``world_size`` ranks; returns the per-rank results, rank order.
 
     ``fn`` must be importable (a module-level function) and return picklable data.
@@ -48,9 +67,11 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: 
     import queue
     import time
 
+    import torch.multiprocessing as mp  # here, not at the top: free_ports() serves torch-free tests too
+
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = free_port()
+    port = free_ports()
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, q)) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -5,10 +5,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+import torch
 
-from tests.workers import _expected_module_keys
+from fsdp_mem_otel.demo import WrapOptions, build, make_batch, train_step
+from fsdp_mem_otel.tracker import FSDPMemoryTracker
+from tests.dist import free_ports, run_ranks
+from tests.oracles import BATCH, BLOCKS, WIDTH, expected_module_keys
 
 
 @pytest.mark.parametrize("fsdp", ["1", "2"])
@@ -24,7 +30,7 @@ def test_demo_runs_two_ranks_and_prints_module_table(fsdp: str) -> None:
     assert "step 4/4" in text and "tracker errors: 0" in text
     assert f"FSDP{fsdp}, rank 0 of 2" in text
     table = text[text.rindex("module  "):]
-    for key in _expected_module_keys(3):
+    for key in expected_module_keys(3):
         assert f"\n{key} " in table, key
 
 
@@ -36,7 +42,7 @@ def test_demo_rejects_bad_options_before_launching() -> None:
 
 
 def test_demo_serves_prometheus_per_rank_and_writes_sidecar_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    base = free_port_pair()
+    base = free_ports(2)
     sidecar = tmp_path / "metrics"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     run = tmp_path / "run.jsonl"
@@ -62,34 +68,55 @@ def test_demo_serves_prometheus_per_rank_and_writes_sidecar_files(tmp_path) -> N
                    and line.endswith(f" {float(peak)}") for line in text.splitlines())
 
 
-def test_tracker_from_env_configures_everything(tmp_path) -> None:  # type: ignore[no-untyped-def]
+@dataclass(frozen=True)
+class FromEnvResult:
+    modes: list[str]  # each step's report mode
+    peak: int  # the last report's cpu total peak
+    text: str  # this rank's /metrics
+    kinds: list[str]  # the exporters from_env() made, by class name
+
+
+def from_env_run(base_port: int, directory: str) -> FromEnvResult:
+    """FSDPMemoryTracker.from_env() in a job configured only through environment variables."""
+    import urllib.request
+
+    rank = torch.distributed.get_rank()
+    os.environ.update({
+        "FSDP_MEM_OTEL_MODE": "light", "FSDP_MEM_OTEL_DEEP_EVERY": "2", "FSDP_MEM_OTEL_JOB": "envjob",
+        "FSDP_MEM_OTEL_PROMETHEUS_PORT": str(base_port), "FSDP_MEM_OTEL_PROMETHEUS_ADDR": "127.0.0.1",
+        "FSDP_MEM_OTEL_JSONL": os.path.join(directory, "run-{rank}.jsonl"),
+    })
+    model, opt = build(BLOCKS, WIDTH, WrapOptions(fsdp=2))
+    tracker = FSDPMemoryTracker.from_env(model, opt)
+    reports = []
+    with tracker:
+        for step in range(2):
+            train_step(model, opt, make_batch(step, BATCH, WIDTH, rank))
+            reports.append(tracker.step().to_dict())
+        torch.distributed.barrier()
+        with urllib.request.urlopen(f"http://127.0.0.1:{base_port + rank}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    tracker.close()
+    return FromEnvResult(modes=[r["mode"] for r in reports], peak=reports[-1]["peak"]["cpu"]["total"], text=text,
+                         kinds=sorted(type(e).__name__ for e in tracker.exporters))
+
+
+@pytest.fixture(scope="module")
+def from_env(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[FromEnvResult]]:
+    """The JSONL directory and the per-rank results of one from_env_run on 2 ranks."""
+    directory = tmp_path_factory.mktemp("from_env")
+    return directory, run_ranks(from_env_run, free_ports(2), str(directory))
+
+
+def test_tracker_from_env_configures_everything(from_env: tuple[Path, list[FromEnvResult]], rank: int) -> None:
     from fsdp_mem_otel.exporters.jsonl import read_reports
-    from tests import workers
-    from tests.dist import run_ranks
 
-    base = free_port_pair()
-    for rank, res in enumerate(run_ranks(workers.from_env_run, base, str(tmp_path))):
-        assert res["modes"] == ["light", "deep"]
-        assert res["kinds"] == ["JSONLExporter", "PrometheusExporter"]
-        peak_line = [line for line in res["text"].splitlines()
-                     if line.startswith("fsdp_mem_step_peak_bytes{") and 'category="total"' in line]
-        assert len(peak_line) == 1 and 'job_name="envjob"' in peak_line[0] and f'rank="{rank}"' in peak_line[0]
-        assert float(peak_line[0].rsplit(" ", 1)[1]) == res["peak"]
-        assert [r.step for r in read_reports(tmp_path / f"run-{rank}.jsonl")] == [1, 2]
-
-
-def free_port_pair() -> int:
-    """A port p with p and p+1 free (the two ranks' endpoints)."""
-    import socket
-
-    from tests.dist import free_port
-
-    for _ in range(50):
-        p = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 1))
-                return p
-            except OSError:
-                continue
-    raise RuntimeError("no two consecutive free ports")
+    directory, per_rank = from_env
+    res = per_rank[rank]
+    assert res.modes == ["light", "deep"]
+    assert res.kinds == ["JSONLExporter", "PrometheusExporter"]
+    peak_line = [line for line in res.text.splitlines()
+                 if line.startswith("fsdp_mem_step_peak_bytes{") and 'category="total"' in line]
+    assert len(peak_line) == 1 and 'job_name="envjob"' in peak_line[0] and f'rank="{rank}"' in peak_line[0]
+    assert float(peak_line[0].rsplit(" ", 1)[1]) == res.peak
+    assert [r.step for r in read_reports(directory / f"run-{rank}.jsonl")] == [1, 2]

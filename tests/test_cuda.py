@@ -18,9 +18,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def one_rank_group():  # type: ignore[no-untyped-def]
     import torch.distributed as dist
 
-    from tests.dist import free_port
+    from tests.dist import free_ports
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)

@@ -15,7 +15,7 @@ from torch import nn  # noqa: E402
 
 from fsdp_mem_otel.tracker import FSDPMemoryTracker  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
-from tests.workers import settle  # noqa: E402
+from tests.oracles import settle  # noqa: E402
 
 LAYERS, HIDDEN, SEQ, BATCH, VOCAB = 4, 128, 128, 4, 512
 

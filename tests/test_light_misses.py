@@ -15,7 +15,7 @@ from fsdp_mem_otel.demo import Block, BlockModel, make_batch
 from fsdp_mem_otel.schema import CATEGORY_KEYS, TOTAL
 from fsdp_mem_otel.tracker import FSDPMemoryTracker
 from tests.dist import run_ranks
-from tests.workers import BATCH, BLOCKS, WIDTH, _upstream_snapshot, grad_bytes, settle, sharded_param_bytes
+from tests.oracles import BATCH, BLOCKS, WIDTH, grad_bytes, settle, sharded_param_bytes, upstream_snapshot
 
 
 def _fsdp2_groups(model: nn.Module) -> list[Any]:
@@ -225,7 +225,7 @@ def hsdp_one_rank_shards() -> HSDPResult:
         light_report, deep_report = light.step().to_dict(), deep.step().to_dict()
         light.detach()
         deep.detach()
-    return HSDPResult(light_report, deep_report, _upstream_snapshot(upstream.get_tracker_snapshot("peak")),
+    return HSDPResult(light_report, deep_report, upstream_snapshot(upstream.get_tracker_snapshot("peak")),
                       light.errors_total + deep.errors_total)
 
 
@@ -292,8 +292,8 @@ def grouped_modules() -> GroupedResult:
             key = stats.mod_fqn.split(".", 1)[1] if "." in stats.mod_fqn else "<root>"
             calls = [s for state, s in stats.snapshots.items() if state.value == "Peak Backward"]
             if calls:
-                peaks[key] = _upstream_snapshot(calls[0][0])
-    total = _upstream_snapshot(upstream.get_tracker_snapshot("peak"))["cpu"][TOTAL]
+                peaks[key] = upstream_snapshot(calls[0][0])
+    total = upstream_snapshot(upstream.get_tracker_snapshot("peak"))["cpu"][TOTAL]
     return GroupedResult(light.module_keys, light_report, deep_report, peaks, total,
                          light.errors_total + deep.errors_total)
 

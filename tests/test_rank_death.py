@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.dist import free_port
+from tests.dist import free_ports
 
 STALE_SECONDS = 3.0
 
@@ -62,7 +62,7 @@ def test_killed_rank_goes_stale_and_survivor_keeps_answering(tmp_path: Path) -> 
     sidecar, progress = tmp_path / "sidecar", tmp_path / "progress"
     progress.mkdir()
     ctx = mp.get_context("spawn")
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_ports(), free_ports()
     procs = [ctx.Process(target=_rank, args=(r, port, metrics_port, str(sidecar), str(progress))) for r in (0, 1)]
     for p in procs:
         p.start()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist import free_ports
 from tests.exporters import prom_workers
 from tests.exporters.test_prometheus import value
 from tests.exporters.test_sidecar import write_ranks
@@ -74,7 +75,7 @@ def test_serve_scraped_over_http(slim: Path, tmp_path: Path) -> None:
     ranks = tmp_path / "ranks"
     for exp in write_ranks(ranks):
         exp.shutdown()
-    port = prom_workers.free_ports(1)
+    port = free_ports(1)
     proc = subprocess.Popen(
         [str(slim / "fsdp-mem-otel"), "serve", "--dir", str(ranks), "--port", str(port), "--addr", "127.0.0.1"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -12,7 +12,7 @@ import torch
 from fsdp_mem_otel.demo import WrapOptions, build, make_batch, train_step
 from fsdp_mem_otel.tracker import FSDPMemoryTracker
 from tests.dist import run_ranks
-from tests.workers import BATCH, BLOCKS, WIDTH, _fsdp_fingerprint, settle
+from tests.oracles import BATCH, BLOCKS, WIDTH, fsdp_fingerprint, settle
 
 
 @dataclass
@@ -40,7 +40,7 @@ def attach_rollback(fsdp: int) -> RollbackResult:
         model, opt = build(BLOCKS, WIDTH, WrapOptions(fsdp=fsdp))
         train_step(model, opt, make_batch(0, BATCH, WIDTH, rank))  # lazy init done
         if run == "tracked":
-            before = _fsdp_fingerprint(model, opt)
+            before = fsdp_fingerprint(model, opt)
             for point in ("adapter", "optimizer"):
                 tracker = FSDPMemoryTracker(model, opt)
                 if point == "adapter":  # the third FSDP module refuses its forward hook
@@ -54,7 +54,7 @@ def attach_rollback(fsdp: int) -> RollbackResult:
                 errors.append(tracker.errors_total)
                 del (victim if point == "adapter" else opt).__dict__["register_forward_hook" if point == "adapter"
                                                                      else "register_step_post_hook"]
-                after.append(_fsdp_fingerprint(model, opt))
+                after.append(fsdp_fingerprint(model, opt))
         losses[run] = [train_step(model, opt, make_batch(step, BATCH, WIDTH, rank)) for step in range(1, 4)]
     return RollbackResult(before, {"adapter": after[0], "optimizer": after[1]}, attached, errors,
                           losses["untracked"], losses["tracked"])

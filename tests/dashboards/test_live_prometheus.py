@@ -42,8 +42,7 @@ from tests.dashboards.test_dashboards import (
     targets,
     variables,
 )
-from tests.dist import run_ranks
-from tests.exporters.prom_workers import free_ports
+from tests.dist import free_ports, run_ranks
 from tests.exporters.test_prometheus import small_report
 
 STEPS = 30

@@ -24,7 +24,7 @@ from fsdp_mem_otel.alerts import REC_JOB_MODULE_PEAK, REC_JOB_PEAK_MAX, REC_RANK
 from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
 from fsdp_mem_otel.identity import Identity
 from tests.dashboards.test_live_prometheus import _wait_ready
-from tests.exporters.prom_workers import free_ports
+from tests.dist import free_ports
 from tests.exporters.test_prometheus import small_report
 
 ROOT = Path(__file__).resolve().parents[2]

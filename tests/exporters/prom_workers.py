@@ -4,7 +4,6 @@ on each of the 2 real ranks (spawned by tests/dist.py; torch is imported inside 
 from __future__ import annotations
 
 import shutil
-import socket
 import ssl
 import subprocess
 import time
@@ -16,29 +15,6 @@ BLOCKS, WIDTH, BATCH, STEPS = 3, 32, 8, 3
 #: the sidecar's --stale-seconds in the real run (generous: the first scrape must see both ranks
 #: fresh on a loaded CI machine); rank 0 keeps writing for 1 s longer than this after rank 1 stops
 STALE_SECONDS = 3.0
-
-
-def free_ports(n: int) -> int:
-    """A port p such that p .. p+n-1 are all free on 127.0.0.1 right now."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def make_tls(directory: Path) -> dict[str, str]:

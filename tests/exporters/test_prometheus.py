@@ -35,7 +35,7 @@ from fsdp_mem_otel.schema import (
     StepAbort,
     StepReport,
 )
-from tests.dist import run_ranks
+from tests.dist import free_ports, run_ranks
 from tests.exporters import prom_workers
 
 ALLOCATOR_KEYS = (
@@ -357,7 +357,7 @@ def test_http_endpoint_and_idempotent_shutdown() -> None:
 
 
 def test_default_port_is_base_plus_local_rank() -> None:
-    base = prom_workers.free_ports(2)
+    base = free_ports(2)
     exp = PrometheusExporter(Identity("j", 5, 1, 8, "h"), base_port=base, addr="127.0.0.1")
     try:
         assert exp.port == base + 1
@@ -477,7 +477,7 @@ def test_bad_arguments() -> None:
 def real_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("prom_real")
     tls = prom_workers.make_tls(tmp)
-    base, tls_base, sidecar_port = prom_workers.free_ports(2), prom_workers.free_ports(2), prom_workers.free_ports(1)
+    base, tls_base, sidecar_port = free_ports(2), free_ports(2), free_ports(1)
     assert len({base, base + 1, tls_base, tls_base + 1, sidecar_port}) == 5
     sidecar_dir = str(tmp / "sidecar")
     results = run_ranks(prom_workers.train_scrape_and_serve, base, tls_base, sidecar_dir, sidecar_port, tls,

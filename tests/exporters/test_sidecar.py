@@ -18,6 +18,7 @@ import pytest
 from fsdp_mem_otel import serve
 from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
 from fsdp_mem_otel.identity import Identity
+from tests.dist import free_ports
 from tests.exporters import prom_workers
 from tests.exporters.test_prometheus import big_report, promtool_check, samples, small_report, value
 
@@ -147,7 +148,7 @@ def test_mutual_tls(tmp_path: Path) -> None:
 
 def test_serve_command(tmp_path: Path) -> None:
     write_ranks(tmp_path)
-    port = prom_workers.free_ports(1)
+    port = free_ports(1)
     proc = subprocess.Popen(
         [sys.executable, "-m", "fsdp_mem_otel.serve", "--dir", str(tmp_path), "--port", str(port),
          "--addr", "127.0.0.1", "--stale-seconds", "0.5"],
