@@ -192,7 +192,9 @@ def _otlp_exporter(endpoint: str, **kwargs: Any) -> Any:
         del os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"]
 
 
-def _train(exporters: list[Any], steps: int) -> dict[str, Any]:
+def _train(exporters: list[Any], steps: int, pause: float = 0.0) -> dict[str, Any]:
+    """Train ``steps`` steps with the tracker; ``pause`` seconds after each (so that the span
+    processor's 50 ms schedule starts exports while the loop still runs, however fast it is)."""
     import torch.distributed as dist
 
     from fsdp_mem_otel.demo import WrapOptions, build, make_batch, train_step
@@ -209,6 +211,7 @@ def _train(exporters: list[Any], steps: int) -> dict[str, Any]:
             t = time.perf_counter()
             reports.append(tracker.step())
             step_calls.append(time.perf_counter() - t)
+            time.sleep(pause)
     loop = time.perf_counter() - t0
     t = time.perf_counter()
     tracker.close()
@@ -251,6 +254,6 @@ def train_all(otlp_url: str, down_url: str, hanging_url: str) -> dict[str, Any]:
     for name, url in faults.items():
         exp = _otlp_exporter(url, export_timeout=EXPORT_TIMEOUT, shutdown_timeout=SHUTDOWN_TIMEOUT,
                              schedule_delay_millis=50)
-        out[name] = _train([exp], FAULT_STEPS)
+        out[name] = _train([exp], FAULT_STEPS, pause=0.05)
         out[name]["steps_exported"] = exp.steps_exported
     return out
