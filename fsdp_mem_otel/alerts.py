@@ -56,16 +56,46 @@ REC_JOB_MODULE_PEAK = "namespace_job_name_module_phase:fsdp_mem_module_peak_byte
 REC_JOB_MODULE_PEAK_RANK = "namespace_job_name_module_phase_rank:fsdp_mem_module_peak_bytes:topk1"
 #: per job x module x phase: (max - min) / max over the ranks
 REC_JOB_MODULE_SKEW = "namespace_job_name_module_phase:fsdp_mem_module_peak_bytes:rank_skew_ratio"
+#: per job x category: the smallest rank's step-peak bytes of the category (each rank's largest device)
+REC_JOB_CATEGORY_PEAK_MIN = "namespace_job_name_category:fsdp_mem_step_peak_bytes:min"
+#: per job x category: live bytes at the step end, summed over the ranks
+REC_JOB_CATEGORY_CURRENT = "namespace_job_name_category:fsdp_mem_current_bytes:sum"
+#: per job x module: the slowest rank's forward seconds
+REC_JOB_MODULE_FORWARD = "namespace_job_name_module:fsdp_mem_module_forward_seconds:max"
+# -- per job, for the fleet overview (one series per job, whatever its size) ---------------------
+REC_JOB_RANKS = "namespace_job_name:fsdp_mem_tracker_info:ranks"
+REC_JOB_STALE = "namespace_job_name:fsdp_mem_sidecar_rank_stale:sum"
+#: counters summed over the ranks; read them with increase(). A rank's counter reset would look
+#: like a reset of the sum, but FSDP ranks restart together (torchrun restarts the whole job)
+REC_JOB_OOMS = "namespace_job_name:fsdp_mem_allocator_ooms_total:sum"
+REC_JOB_RETRIES = "namespace_job_name:fsdp_mem_allocator_alloc_retries_total:sum"
+REC_JOB_ERRORS = "namespace_job_name_component:fsdp_mem_errors_total:sum"
+#: the job's lowest headroom: device total minus step peak, over its ranks' CUDA devices
+REC_JOB_HEADROOM = "namespace_job_name:fsdp_mem_device_headroom_bytes:min"
+#: the job's largest process resident bytes (CPU-only jobs' stand-in for headroom)
+REC_JOB_RESIDENT = "namespace_job_name:fsdp_mem_process_resident_bytes:max"
+REC_JOB_DEVICE_RATIO = "namespace_job_name:fsdp_mem_step_peak_bytes:device_total_ratio_max"
+#: the oldest last-step timestamp over the job's ranks (its slowest rank)
+REC_JOB_LAST_STEP = "namespace_job_name:fsdp_mem_last_step_timestamp_seconds:min"
+#: the largest tracker overhead over step time among the job's ranks
+REC_JOB_OVERHEAD = "namespace_job_name:fsdp_mem_step_overhead_seconds:max_ratio"
 RECORDING_NAMES: tuple[str, ...] = (REC_RANK_PEAK, REC_JOB_PEAK_MAX, REC_JOB_PEAK_MIN, REC_JOB_RANK_SKEW,
-                                    REC_DEVICE_RATIO, REC_JOB_CATEGORY_PEAK, REC_JOB_MODULE_PEAK,
-                                    REC_JOB_MODULE_PEAK_RANK, REC_JOB_MODULE_SKEW)
+                                    REC_DEVICE_RATIO, REC_JOB_CATEGORY_PEAK, REC_JOB_CATEGORY_PEAK_MIN,
+                                    REC_JOB_CATEGORY_CURRENT, REC_JOB_MODULE_PEAK, REC_JOB_MODULE_PEAK_RANK,
+                                    REC_JOB_MODULE_SKEW, REC_JOB_MODULE_FORWARD, REC_JOB_RANKS, REC_JOB_STALE,
+                                    REC_JOB_OOMS, REC_JOB_RETRIES, REC_JOB_ERRORS, REC_JOB_HEADROOM,
+                                    REC_JOB_RESIDENT, REC_JOB_DEVICE_RATIO, REC_JOB_LAST_STEP, REC_JOB_OVERHEAD)
 #: labels a job x module series keeps
 MODULE = (*JOB, "module", "phase")
 #: every recorded series and the labels it keeps (dashboards read these for fleet-wide panels)
 RECORDED_LABELS: dict[str, tuple[str, ...]] = {
     REC_RANK_PEAK: RANK, REC_JOB_PEAK_MAX: JOB, REC_JOB_PEAK_MIN: JOB, REC_JOB_RANK_SKEW: JOB,
-    REC_DEVICE_RATIO: (*RANK, "device"), REC_JOB_CATEGORY_PEAK: (*JOB, "category"), REC_JOB_MODULE_PEAK: MODULE,
-    REC_JOB_MODULE_PEAK_RANK: (*MODULE, "rank"), REC_JOB_MODULE_SKEW: MODULE,
+    REC_DEVICE_RATIO: (*RANK, "device"), REC_JOB_CATEGORY_PEAK: (*JOB, "category"),
+    REC_JOB_CATEGORY_PEAK_MIN: (*JOB, "category"), REC_JOB_CATEGORY_CURRENT: (*JOB, "category"),
+    REC_JOB_MODULE_PEAK: MODULE, REC_JOB_MODULE_PEAK_RANK: (*MODULE, "rank"), REC_JOB_MODULE_SKEW: MODULE,
+    REC_JOB_MODULE_FORWARD: (*JOB, "module"), REC_JOB_RANKS: JOB, REC_JOB_STALE: JOB, REC_JOB_OOMS: JOB,
+    REC_JOB_RETRIES: JOB, REC_JOB_ERRORS: (*JOB, "component"), REC_JOB_HEADROOM: JOB, REC_JOB_RESIDENT: JOB,
+    REC_JOB_DEVICE_RATIO: JOB, REC_JOB_LAST_STEP: JOB, REC_JOB_OVERHEAD: JOB,
 }
 
 _DURATION_RE = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
@@ -162,6 +192,48 @@ def recording_rules() -> list[dict[str, Any]]:
             "expr": (f"(\n  {REC_JOB_MODULE_PEAK}\n  - min by ({_by(MODULE)}) ({module_peak})\n)\n"
                      f"/ ({REC_JOB_MODULE_PEAK} > 0)\n"),
         },
+        *_job_rules(),
+    ]
+
+
+def _per_rank(metric: str, *by: str) -> str:
+    """``metric`` once per rank (and ``by``): a rank scraped directly and through the sidecar counts once."""
+    return f"max by ({_by((*RANK, *by))}) ({metric})"
+
+
+def _job_rules() -> list[dict[str, Any]]:
+    """Per job (x category, module or component): what the fleet overview and the job drill-down's
+    all-rank panels read, one series per job instead of one per rank."""
+    peak = cat.STEP_PEAK_BYTES.name
+    peak_total = cat.selector(cat.STEP_PEAK_BYTES, category="total")
+    cuda_peak = f'{peak}{{category="total",device=~"cuda.*"}}'
+    device_total = cat.selector(cat.DEVICE_TOTAL_BYTES)
+    per_rank_overhead = (f"{_per_rank(cat.OVERHEAD_SECONDS.name)}\n/ on ({_by(RANK)})\n"
+                         f"({_per_rank(cat.STEP_DURATION_SECONDS.name)} > 0)")
+    return [
+        {"record": REC_JOB_CATEGORY_PEAK_MIN, "expr": f"min by ({_by((*JOB, 'category'))}) "
+                                                      f"({_per_rank(peak, 'category')})"},
+        {"record": REC_JOB_CATEGORY_CURRENT, "expr": f"sum by ({_by((*JOB, 'category'))}) "
+                                                     f"({_per_rank(cat.CURRENT_BYTES.name, 'category')})"},
+        {"record": REC_JOB_MODULE_FORWARD, "expr": f"max by ({_by((*JOB, 'module'))}) "
+                                                   f"({cat.MODULE_FORWARD_SECONDS.name})"},
+        {"record": REC_JOB_RANKS, "expr": f"count by ({_by(JOB)}) ({_per_rank(cat.TRACKER_INFO.name)})"},
+        {"record": REC_JOB_STALE, "expr": f"sum by ({_by(JOB)}) ({_per_rank(cat.SIDECAR_RANK_STALE.name)})"},
+        {"record": REC_JOB_OOMS, "expr": f"sum by ({_by(JOB)}) ({_per_rank(cat.OOMS_TOTAL.name, 'device')})"},
+        {"record": REC_JOB_RETRIES,
+         "expr": f"sum by ({_by(JOB)}) ({_per_rank(cat.ALLOC_RETRIES_TOTAL.name, 'device')})"},
+        {"record": REC_JOB_ERRORS, "expr": f"sum by ({_by((*JOB, 'component'))}) "
+                                           f"({_per_rank(cat.ERRORS_TOTAL.name, 'component')})"},
+        {"record": REC_JOB_HEADROOM,
+         "expr": (f"min by ({_by(JOB)}) (\n  {_per_rank(device_total, 'device')}\n  - on ({_by(RANK)}, device)\n"
+                  f"  {_per_rank(peak_total, 'device')}\n)\n")},
+        {"record": REC_JOB_RESIDENT, "expr": f"max by ({_by(JOB)}) ({cat.RESIDENT_BYTES.name})"},
+        {"record": REC_JOB_DEVICE_RATIO,
+         "expr": (f"max by ({_by(JOB)}) (\n  {_per_rank(cuda_peak, 'device')}\n  / on ({_by(RANK)}, device)\n"
+                  f"  {_per_rank(device_total + ' > 0', 'device')}\n)\n")},
+        {"record": REC_JOB_LAST_STEP,
+         "expr": f"min by ({_by(JOB)}) ({_per_rank(cat.LAST_STEP_TIMESTAMP_SECONDS.name)})"},
+        {"record": REC_JOB_OVERHEAD, "expr": f"max by ({_by(JOB)}) (\n{per_rank_overhead}\n)\n"},
     ]
 
 

@@ -2,15 +2,21 @@
 
 Three dashboards, all on one Prometheus data source chosen by the ``datasource`` variable:
 
-- **Fleet overview** (``fleet-overview.json``): every job; step peak per job and rank; headroom
-  to device capacity; OOMs and allocator retries; jobs whose step peak grew against an earlier
-  window; tracker health.
-- **Job drill-down** (``job-drilldown.json``): one job; per-rank step peak stacked by category;
-  per-module forward/backward peaks (table, module x rank matrix and heatmaps); rank skew;
+- **Fleet overview** (``fleet-overview.json``): every job; step peak per job (largest and
+  smallest rank); headroom to device capacity; OOMs and allocator retries; jobs whose step peak
+  grew against an earlier window; tracker health. Every panel reads the recording rules' per-job
+  series (``alerts.recording_rules``), so its cost does not grow with a job's ranks or modules.
+- **Job drill-down** (``job-drilldown.json``): one job; step peak by category and per-module
+  forward/backward peaks over all ranks (recorded job x category and job x module series: the
+  largest rank, the rank holding it, the skew); per-rank series for the panels drawn per rank; a
+  rank's own categories and modules for the ranks picked in ``$inspect`` (no All); rank skew;
   step-over-step trend.
-- **Allocator correlation** (``allocator-correlation.json``): per rank, what the tracker counts
-  next to what the device allocator reports (allocated, reserved, untracked, fragmentation,
-  retries), with the FSDP categories on the same time axis.
+- **Allocator correlation** (``allocator-correlation.json``): a row per rank picked in ``$rank``
+  (no All), what the tracker counts next to what the device allocator reports (allocated,
+  reserved, untracked, fragmentation, retries), with the FSDP categories on the same time axis.
+
+Fleet budget: at 1,024 ranks x 100 modules no query reads more than 10,000 series
+(tests/dashboards/test_fleet_prometheus.py measures it on a real Prometheus).
 
 Every metric name comes from ``catalog`` (``Metric.name``), and every label a query matches on is
 checked against the metric's catalog labels when the dashboards are built, so a rename in the
@@ -45,10 +51,25 @@ from typing import Any
 
 from fsdp_mem_otel import catalog as cat
 from fsdp_mem_otel.alerts import (
+    REC_JOB_CATEGORY_CURRENT,
+    REC_JOB_CATEGORY_PEAK,
+    REC_JOB_CATEGORY_PEAK_MIN,
+    REC_JOB_DEVICE_RATIO,
+    REC_JOB_ERRORS,
+    REC_JOB_HEADROOM,
+    REC_JOB_LAST_STEP,
+    REC_JOB_MODULE_FORWARD,
     REC_JOB_MODULE_PEAK,
     REC_JOB_MODULE_SKEW,
+    REC_JOB_OOMS,
+    REC_JOB_OVERHEAD,
     REC_JOB_PEAK_MAX,
-    REC_RANK_PEAK,
+    REC_JOB_PEAK_MIN,
+    REC_JOB_RANK_SKEW,
+    REC_JOB_RANKS,
+    REC_JOB_RESIDENT,
+    REC_JOB_RETRIES,
+    REC_JOB_STALE,
     RECORDED_LABELS,
 )
 
@@ -76,13 +97,15 @@ class Scope:
 
     multi_job: bool
     module: bool = False
+    #: the variable that picks the ranks: ``rank`` (All allowed) or ``inspect`` (a few ranks)
+    rank_var: str = "rank"
 
     def ids(self) -> tuple[Matcher, ...]:
         return (
             ("namespace", "=~", "$namespace"),
             ("job_name", "=~" if self.multi_job else "=", "$job"),
             ("pod", "=~", "$pod"),
-            ("rank", "=~", "$rank"),
+            ("rank", "=~", f"${self.rank_var}"),
         )
 
 
@@ -320,18 +343,25 @@ def _matrix(row: str, column: str) -> tuple[str, dict[str, Any]]:
 
 
 # -- variables ---------------------------------------------------------------------------------------
-def _variables(board: _Board, *, multi_job: bool, module: bool = False, baseline: bool = False) -> None:
+def _variables(board: _Board, *, multi_job: bool, module: bool = False, baseline: bool = False,
+               ranks: bool = True, rank_all: bool = True, inspect: bool = False) -> None:
+    """The dashboard's variables. ``ranks``: $pod and $rank (with All unless ``rank_all`` is
+    False: panels repeated per rank must not repeat over a thousand of them); ``inspect``: a
+    multi-valued rank picker without All, for the panels that read one rank's modules or categories."""
     sdk = board.sdk
     db, dm = sdk.db, sdk.dm
     board.variable(db.DatasourceVariable(DATASOURCE_VAR).label("Data source").type("prometheus"))
     info = cat.TRACKER_INFO
 
-    def query_var(name: str, label: str, expr: str, *, multi: bool = True, numeric: bool = False) -> Any:
+    def query_var(name: str, label: str, expr: str, *, multi: bool = True, numeric: bool = False,
+                  include_all: bool = True) -> Any:
         v = (db.QueryVariable(name).label(label).datasource(board.ds).query(expr)
              .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
              .sort(dm.VariableSort.NUMERICAL_ASC if numeric else dm.VariableSort.ALPHABETICAL_ASC))
         if multi:
-            v.multi(True).include_all(True).all_value(".*")
+            v.multi(True)
+            if include_all:
+                v.include_all(True).all_value(".*")
         return v
 
     job_op = "=~" if multi_job else "="
@@ -340,8 +370,14 @@ def _variables(board: _Board, *, multi_job: bool, module: bool = False, baseline
     pod = ("pod", "=~", "$pod")
     board.variable(query_var("namespace", "Namespace", f"label_values({sel(info)}, namespace)"))
     board.variable(query_var("job", "Job", f"label_values({sel(info, None, ns)}, job_name)", multi=multi_job))
-    board.variable(query_var("pod", "Pod", f"label_values({sel(info, None, ns, job)}, pod)"))
-    board.variable(query_var("rank", "Rank", f"label_values({sel(info, None, ns, job, pod)}, rank)", numeric=True))
+    rank_values = f"label_values({sel(info, None, ns, job, pod)}, rank)"
+    if ranks:
+        board.variable(query_var("pod", "Pod", f"label_values({sel(info, None, ns, job)}, pod)"))
+        board.variable(query_var("rank", "Rank", rank_values, numeric=True, include_all=rank_all))
+    if inspect:
+        board.variable(query_var("inspect", "Inspect ranks", rank_values, numeric=True, include_all=False)
+                       .description("Ranks whose categories and modules are drawn one by one (no All: a "
+                                    "thousand-rank job would draw a thousand panels)."))
     if module:  # from the job x module recorded series: one per module and phase, not per rank
         board.variable(query_var("module", "Module", f"label_values({recorded(REC_JOB_MODULE_PEAK, ns, job)}, module)"))
     if baseline:
@@ -355,60 +391,58 @@ def _variables(board: _Board, *, multi_job: bool, module: bool = False, baseline
 
 # -- the dashboards ----------------------------------------------------------------------------------
 def fleet_overview(sdk: Any) -> Dashboard:
-    s = Scope(multi_job=True)
     b = _Board(sdk, "fsdp-mem-fleet", "FSDP memory: fleet overview",
                "Every FSDP job that runs fsdp_mem_otel: step peaks, headroom, OOMs, regressions, tracker health.",
                "fleet-overview.json")
-    _variables(b, multi_job=True, baseline=True)
-    peak = total(cat.STEP_PEAK_BYTES, s)
-    dev_total = sel(cat.DEVICE_TOTAL_BYTES, s)
-    # the step-peak panels read the recording rules' series: one per rank or per job, not one per
-    # rank x device x category ($pod does not apply to them)
+    # every panel reads the recording rules' per-job series: one per job (x component), whatever
+    # the job's size, so the fleet's cost does not grow with its ranks or modules
+    _variables(b, multi_job=True, baseline=True, ranks=False)
     jobs = (("namespace", "=~", "$namespace"), ("job_name", "=~", "$job"))
-    rank_peak = recorded(REC_RANK_PEAK, *jobs, ("rank", "=~", "$rank"))
-    job_peak = recorded(REC_JOB_PEAK_MAX, *jobs)
+
+    def job(name: str) -> str:
+        return recorded(name, *jobs)
+
+    job_peak = job(REC_JOB_PEAK_MAX)
 
     b.row("Fleet")
     b.add(stat(sdk, "short"), "Jobs reporting", "Jobs with at least one rank exporting now.",
-          [Query(f"count(count by ({JOB_KEY}) ({sel(cat.TRACKER_INFO, s)}))", instant=True)], 4, 4)
+          [Query(f"count({job(REC_JOB_RANKS)})", instant=True)], 4, 4)
     b.add(stat(sdk, "short"), "Ranks reporting", "Ranks exporting now, over the selected jobs.",
-          [Query(f"count(count by ({RANK_KEY}) ({sel(cat.TRACKER_INFO, s)}))", instant=True)], 4, 4)
+          [Query(f"sum({job(REC_JOB_RANKS)})", instant=True)], 4, 4)
     b.add(stat(sdk, "short", red_at=1, no_value="no sidecar"), "Stale ranks (sidecar)",
           "Ranks whose sidecar file stopped changing (process gone). Needs `fsdp-mem-otel serve`.",
-          [Query(f"sum(max by ({RANK_KEY}) ({sel(cat.SIDECAR_RANK_STALE, s)}))", instant=True)], 4, 4)
+          [Query(f"sum({job(REC_JOB_STALE)})", instant=True)], 4, 4)
     b.add(stat(sdk, "short", red_at=1), "OOMs in range", "Out-of-memory errors raised by the device allocator.",
-          [Query(f"sum(max by ({RANK_KEY}, device) (increase({sel(cat.OOMS_TOTAL, s)}[$__range])))",
-                 instant=True, cuda_only=True)], 4, 4)
+          [Query(f"sum(increase({job(REC_JOB_OOMS)}[$__range]))", instant=True, cuda_only=True)], 4, 4)
     b.add(stat(sdk, "short", red_at=1), "Allocator retries in range",
           "cudaMalloc failures that flushed the allocator cache and retried: a step away from OOM, and slow.",
-          [Query(f"sum(max by ({RANK_KEY}, device) (increase({sel(cat.ALLOC_RETRIES_TOTAL, s)}[$__range])))",
-                 instant=True, cuda_only=True)], 4, 4)
-    b.add(stat(sdk, "bytes"), "Largest step peak", "Largest tracked step peak over the selected ranks now.",
-          [Query(f"max({rank_peak})", instant=True)], 4, 4)
+          [Query(f"sum(increase({job(REC_JOB_RETRIES)}[$__range]))", instant=True, cuda_only=True)], 4, 4)
+    b.add(stat(sdk, "bytes"), "Largest step peak", "Largest tracked step peak over the selected jobs' ranks now.",
+          [Query(f"max({job_peak})", instant=True)], 4, 4)
 
     b.row("Step peak")
-    b.add(timeseries(sdk, "bytes", legend_table=True), "Step peak per job and rank",
-          "Tracked bytes at each rank's step peak (all categories).",
-          [Query(f"max by ({_RANK}) ({rank_peak})", "{{job_name}} r{{rank}}")], 16, 9)
+    b.add(timeseries(sdk, "bytes", legend_table=True), "Step peak per job (largest and smallest rank)",
+          "Tracked bytes at the step peak (all categories) of each job's largest and smallest rank; the job "
+          "drill-down has every rank.",
+          [Query(f"max by ({_JOB}) ({job_peak})", "{{job_name}} largest rank"),
+           Query(f"max by ({_JOB}) ({job(REC_JOB_PEAK_MIN)})", "{{job_name}} smallest rank")], 16, 9)
     b.add(table(sdk, "bytes", sort="Value", transformations=[_hide_time()]), "Step peak per job (largest rank)",
           "The largest rank's step peak of each job, now.",
           [Query(f"max by ({_JOB}) ({job_peak})", instant=True, table=True)], 8, 9)
     headroom = (
-        f'label_replace(max by ({RANK_KEY}, device) ({dev_total}) - on ({RANK_KEY}, device) '
-        f'max by ({RANK_KEY}, device) ({peak}), "measure", "headroom to device capacity", "", "")'
-        f' or label_replace(max by ({RANK_KEY}, device) ({sel(cat.RESIDENT_BYTES, s)}) unless on ({RANK_KEY}) '
-        f'max by ({RANK_KEY}) ({dev_total}), "measure", "host resident (no device capacity reported)", "", "")'
+        f'label_replace({job(REC_JOB_HEADROOM)}, "measure", "headroom to device capacity (lowest rank)", "", "")'
+        f' or label_replace({job(REC_JOB_RESIDENT)} unless on ({_JOB}) {job(REC_JOB_HEADROOM)}, '
+        f'"measure", "host resident (no device capacity reported)", "", "")'
     )
     b.add(table(sdk, "bytes", sort="Value", desc=False, transformations=[_hide_time()]),
           "Headroom to device capacity (lowest first)",
-          "Device capacity minus the tracked step peak, per rank and device. Ranks that report no device "
-          "capacity (CPU-only) show their host resident bytes instead, named in the measure column.",
+          "Per job, the smallest device capacity minus tracked step peak over its ranks' devices. Jobs that "
+          "report no device capacity (CPU-only) show their largest host resident bytes instead, named in the "
+          "measure column.",
           [Query(headroom, instant=True, table=True)], 12, 8)
     b.add(timeseries(sdk, "percentunit"), "Step peak as share of device capacity",
-          "Tracked step peak over the device's total memory.",
-          [Query(f"max by ({RANK_KEY}, device) ({peak}) / on ({RANK_KEY}, device) "
-                 f"max by ({RANK_KEY}, device) ({dev_total})", "{{job_name}} r{{rank}} {{device}}", cuda_only=True)],
-          12, 8)
+          "Tracked step peak over the device's total memory, largest over each job's ranks.",
+          [Query(f"max by ({_JOB}) ({job(REC_JOB_DEVICE_RATIO)})", "{{job_name}}", cuda_only=True)], 12, 8)
 
     b.row("Regressions")
     earlier = f"max_over_time({job_peak}[$baseline] offset $baseline)"
@@ -427,23 +461,20 @@ def fleet_overview(sdk: Any) -> Dashboard:
     b.row("Allocator and tracker health")
     b.add(timeseries(sdk, "short"), "OOMs and allocator retries per job",
           "Increase per interval, summed over the job's ranks.",
-          [Query(f"sum by ({JOB_KEY}) (max by ({RANK_KEY}, device) "
-                 f"(increase({sel(cat.OOMS_TOTAL, s)}[$__rate_interval])))", "{{job_name}} OOMs", cuda_only=True),
-           Query(f"sum by ({JOB_KEY}) (max by ({RANK_KEY}, device) "
-                 f"(increase({sel(cat.ALLOC_RETRIES_TOTAL, s)}[$__rate_interval])))", "{{job_name}} retries",
+          [Query(f"sum by ({_JOB}) (increase({job(REC_JOB_OOMS)}[$__rate_interval]))", "{{job_name}} OOMs",
+                 cuda_only=True),
+           Query(f"sum by ({_JOB}) (increase({job(REC_JOB_RETRIES)}[$__rate_interval]))", "{{job_name}} retries",
                  cuda_only=True)], 6, 8)
-    b.add(timeseries(sdk, "s"), "Seconds since each rank's last step",
-          "Grows while a rank is stuck (e.g. in a collective with a dead peer).",
-          [Query(f"time() - max by ({RANK_KEY}) ({sel(cat.LAST_STEP_TIMESTAMP_SECONDS, s)})",
-                 "{{job_name}} r{{rank}}")], 6, 8)
-    b.add(timeseries(sdk, "percentunit"), "Tracker overhead (share of step time)",
-          "Time in the tracker's hooks over the step's wall-clock time, last step.",
-          [Query(f"max by ({RANK_KEY}) ({sel(cat.OVERHEAD_SECONDS, s)}) / on ({RANK_KEY}) "
-                 f"max by ({RANK_KEY}) ({sel(cat.STEP_DURATION_SECONDS, s)})", "{{job_name}} r{{rank}}")], 6, 8)
+    b.add(timeseries(sdk, "s"), "Seconds since the job's slowest rank stepped",
+          "Grows while a rank is stuck (e.g. in a collective with a dead peer); the job drill-down shows which.",
+          [Query(f"time() - max by ({_JOB}) ({job(REC_JOB_LAST_STEP)})", "{{job_name}}")], 6, 8)
+    b.add(timeseries(sdk, "percentunit"), "Tracker overhead (share of step time, largest rank)",
+          "Time in the tracker's hooks over the step's wall-clock time, last step, largest over the job's ranks.",
+          [Query(f"max by ({_JOB}) ({job(REC_JOB_OVERHEAD)})", "{{job_name}}")], 6, 8)
     b.add(timeseries(sdk, "short"), "Tracker and exporter errors",
-          "Internal failures per interval (never raised into training).",
-          [Query(f"max by ({RANK_KEY}, component) (increase({sel(cat.ERRORS_TOTAL, s)}[$__rate_interval]))",
-                 "{{job_name}} r{{rank}} {{component}}")], 6, 8)
+          "Internal failures per interval, summed over the job's ranks (never raised into training).",
+          [Query(f"sum by ({_JOB}, component) (increase({recorded(REC_JOB_ERRORS, *jobs)}[$__rate_interval]))",
+                 "{{job_name}} {{component}}")], 6, 8)
     return b.build()
 
 
@@ -452,22 +483,30 @@ def job_drilldown(sdk: Any) -> Dashboard:
     b = _Board(sdk, "fsdp-mem-job", "FSDP memory: job drill-down",
                "One FSDP job: where each rank's step peak goes, per category and per module; rank skew; trend.",
                "job-drilldown.json")
-    _variables(b, multi_job=False, module=True)
+    # panels over every rank read one series per rank at most, or the job-level recorded series;
+    # a rank's categories and modules are drawn for the ranks picked in $inspect
+    _variables(b, multi_job=False, module=True, inspect=True)
+    one = Scope(multi_job=False, module=True, rank_var="inspect")
     peak = total(cat.STEP_PEAK_BYTES, s)
     mod = cat.MODULE_PEAK_BYTES
+    job_of = (("namespace", "=~", "$namespace"), ("job_name", "=", "$job"))
 
-    def module_recorded(name: str) -> str:
-        return recorded(name, ("namespace", "=~", "$namespace"), ("job_name", "=", "$job"),
-                        ("module", "=~", "$module"))
+    def job(name: str, *extra: Matcher) -> str:
+        return recorded(name, *job_of, *extra)
+
+    def module_recorded(name: str, *extra: Matcher) -> str:
+        return job(name, ("module", "=~", "$module"), *extra)
 
     b.row("Step peak by category")
-    rank_panel = timeseries(sdk, "bytes", stack=True).repeat("rank").repeat_direction("h").max_per_row(4)
-    b.add(rank_panel, "Rank $rank: step peak by category",
-          "Bytes per category at the moment of the rank's step peak, stacked (the stack is the step peak).",
-          [Query(f"max by (rank, category) ({categories(cat.STEP_PEAK_BYTES, s)})", "{{category}}")], 24, 9)
-    b.add(table(sdk, "bytes", transformations=[_matrix("rank", "category")]), "Step peak by rank and category",
-          "Last step: one row per rank, one column per category (total included).",
-          [Query(f"max by (rank, category) ({sel(cat.STEP_PEAK_BYTES, s)})", instant=True, table=True)], 24, 7)
+    rank_panel = timeseries(sdk, "bytes", stack=True).repeat("inspect").repeat_direction("h").max_per_row(4)
+    b.add(rank_panel, "Rank $inspect: step peak by category",
+          "Bytes per category at the moment of the rank's step peak, stacked (the stack is the step peak). "
+          "One panel per rank picked in Inspect ranks.",
+          [Query(f"max by (rank, category) ({categories(cat.STEP_PEAK_BYTES, one)})", "{{category}}")], 24, 9)
+    b.add(table(sdk, "bytes", sort="Value", transformations=[_hide_time()]), "Step peak by category (largest rank)",
+          "Last step: per category, the largest rank's bytes at its step peak (recorded series; $pod and $rank "
+          "do not apply).",
+          [Query(f"max by (category) ({job(REC_JOB_CATEGORY_PEAK)})", instant=True, table=True)], 24, 7)
 
     b.row("Modules")
     b.add(table(sdk, "bytes", transformations=[_matrix("module", "phase")]),
@@ -477,16 +516,21 @@ def job_drilldown(sdk: Any) -> Dashboard:
           [Query(f"max by (module, phase) ({module_recorded(REC_JOB_MODULE_PEAK)})", instant=True, table=True)],
           12, 10)
     b.add(table(sdk, "bytes", transformations=[_matrix("module", "rank")], gradient=True),
-          "Module x rank backward peak",
-          "Last step's backward peak per module (rows) and rank (columns); colour marks the heavy cells.",
-          [Query(f"max by (module, rank) ({sel(mod, s, phase='backward')})", instant=True, table=True)], 12, 10)
+          "Module x inspected rank backward peak",
+          "Last step's backward peak per module (rows) and rank picked in Inspect ranks (columns); colour marks "
+          "the heavy cells. The rank holding each module's peak over all ranks: the table on the left.",
+          [Query(f"max by (module, rank) ({sel(mod, one, phase='backward')})", instant=True, table=True)], 12, 10)
     for phase in cat.PHASES:
-        b.add(heatmap(sdk, "bytes"), f"Module x rank {phase} peak over time",
-              f"One row per module and rank; colour is the {phase} peak bytes.",
-              [Query(f"max by (module, rank) ({sel(mod, s, phase=phase)})", "{{module}} r{{rank}}")], 12, 10)
+        b.add(heatmap(sdk, "bytes"), f"Module {phase} peak over time (largest rank)",
+              f"One row per module; colour is the {phase} peak bytes of the rank with the largest (recorded "
+              "series).",
+              [Query(f"max by (module) ({module_recorded(REC_JOB_MODULE_PEAK, ('phase', '=', phase))})",
+                     "{{module}}")], 12, 10)
     b.add(timeseries(sdk, "s"), "Module forward time (slowest rank)",
-          "Wall-clock time of each module's forward in the last step, summed over its calls.",
-          [Query(f"max by (module) ({sel(cat.MODULE_FORWARD_SECONDS, s)})", "{{module}}")], 24, 8)
+          "Wall-clock time of each module's forward in the last step, summed over its calls, on the slowest "
+          "rank (recorded series).",
+          [Query(f"max by (module) ({job(REC_JOB_MODULE_FORWARD, ('module', '=~', '$module'))})", "{{module}}")],
+          24, 8)
 
     b.row("Estimate vs measured")
     b.add(timeseries(sdk, "bytes"), "Step peak vs estimate",
@@ -500,12 +544,13 @@ def job_drilldown(sdk: Any) -> Dashboard:
     b.add(timeseries(sdk, "bytes"), "Rank skew of step peak (max - min across ranks)",
           "Spread of the step peak over the ranks, in total and per category. Large skew: uneven sharding, "
           "uneven inputs, or one rank holding extra state.",
-          [Query(f"max({peak}) - min({peak})", "total"),
-           Query(f"max by (category) ({categories(cat.STEP_PEAK_BYTES, s)}) - "
-                 f"min by (category) ({categories(cat.STEP_PEAK_BYTES, s)})", "{{category}}")], 12, 8)
+          [Query(f"max({job(REC_JOB_PEAK_MAX)}) - min({job(REC_JOB_PEAK_MIN)})", "total"),
+           Query(f"max by (category) ({job(REC_JOB_CATEGORY_PEAK, ('category', '!=', 'total'))}) - "
+                 f"min by (category) ({job(REC_JOB_CATEGORY_PEAK_MIN, ('category', '!=', 'total'))})",
+                 "{{category}}")], 12, 8)
     b.add(timeseries(sdk, "percentunit"), "Rank skew relative to the largest rank",
-          "(max - min) / max of the step peak over the ranks.",
-          [Query(f"(max({peak}) - min({peak})) / max({peak})", "skew")], 6, 8)
+          "(max - min) / max of the step peak over the ranks (recorded series).",
+          [Query(f"max({job(REC_JOB_RANK_SKEW)})", "skew")], 6, 8)
     b.add(table(sdk, "percentunit", sort="Value", transformations=[_hide_time()]), "Module skew across ranks",
           "Per module and phase: (largest - smallest rank's peak) / largest, last step, over the job's ranks "
           "(recorded series).",
@@ -520,7 +565,7 @@ def job_drilldown(sdk: Any) -> Dashboard:
                  f"max by (rank) (rate({sel(cat.STEPS_TOTAL, s)}[$__rate_interval]))", "r{{rank}}")], 12, 8)
     b.add(timeseries(sdk, "bytes", stack=True), "Live bytes at step end by category (sum over ranks)",
           "What stays allocated between steps; it should be flat once the optimizer state exists.",
-          [Query(f"sum by (category) (max by (rank, category) ({categories(cat.CURRENT_BYTES, s)}))",
+          [Query(f"max by (category) ({job(REC_JOB_CATEGORY_CURRENT, ('category', '!=', 'total'))})",
                  "{{category}}")], 12, 8)
     b.add(timeseries(sdk, "s"), "Step duration per rank", "Wall-clock time between two tracker.step() calls.",
           [Query(f"max by (rank) ({sel(cat.STEP_DURATION_SECONDS, s)})", "r{{rank}}")], 12, 8)
@@ -534,7 +579,8 @@ def allocator_correlation(sdk: Any) -> Dashboard:
     b = _Board(sdk, "fsdp-mem-allocator", "FSDP memory: allocator correlation",
                "Per rank: what the tracker attributes next to what the device allocator holds, with the FSDP "
                "categories on the same time axis.", "allocator-correlation.json")
-    _variables(b, multi_job=False)
+    # a row per rank: $rank has no All, so that a thousand-rank job does not draw a thousand rows
+    _variables(b, multi_job=False, rank_all=False)
     key = "rank, device"
 
     b.row("Rank $rank", repeat="rank")

@@ -143,6 +143,7 @@ SAMPLE_VALUES: dict[str, list[str]] = {
     "job": ["train.llm-7b"],
     "pod": ["train-llm-0", "train-llm-1"],
     "rank": ["0", "1"],
+    "inspect": ["0"],
     "module": ["<root>", "layers.0", "layers.0.attn"],
     "baseline": ["1d"],
 }
@@ -192,20 +193,28 @@ def test_structure(built: list[dash.Dashboard]) -> None:
         titles = [p["title"] for p in j["panels"] if p["type"] != "row"]
         assert len(titles) == len(set(titles))
         defs = variables(j)
-        assert {"datasource", "namespace", "job", "pod", "rank"} <= set(defs)
+        assert {"datasource", "namespace", "job"} <= set(defs)
+        # the fleet overview reads per-job recorded series only: no per-rank variables
+        assert ({"pod", "rank"} <= set(defs)) == (d.uid != "fsdp-mem-fleet"), d.uid
         assert defs["datasource"]["type"] == "datasource" and defs["datasource"]["query"] == "prometheus"
         for panel, t in targets(j):
             assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
             assert t["datasource"] == panel["datasource"] and t["refId"]
             assert panel["fieldConfig"]["defaults"]["unit"] in ("bytes", "percentunit", "s", "short"), panel["title"]
             assert "$namespace" in t["expr"] and "$job" in t["expr"], panel["title"]
-            # raw per-rank series are scoped by $rank; recorded series by what they keep
+            # raw per-rank series are scoped by $rank or $inspect; recorded series by what they keep
             raw = metric_names(substitute(t["expr"], j, SAMPLE_VALUES)) - set(RECORDED_LABELS)
-            assert "$rank" in t["expr"] or not raw, panel["title"]
+            assert "$rank" in t["expr"] or "$inspect" in t["expr"] or not raw, panel["title"]
+            assert not raw or d.uid != "fsdp-mem-fleet", (panel["title"], raw)
     by_uid = {d.uid: d.json for d in built}
     assert "module" in variables(by_uid["fsdp-mem-job"])
     assert variables(by_uid["fsdp-mem-fleet"])["job"]["multi"] is True
     assert variables(by_uid["fsdp-mem-job"])["job"]["multi"] is False
+    # what a panel repeats over (a row per rank, a panel per rank) has no All
+    for d in built:
+        for panel in d.json["panels"]:
+            if panel.get("repeat"):
+                assert not variables(d.json)[panel["repeat"]].get("includeAll"), (d.uid, panel["title"])
     panel_types = {p["type"] for d in built for p in d.json["panels"]}
     assert {"timeseries", "table", "heatmap", "stat", "row"} <= panel_types
 
@@ -271,7 +280,12 @@ def test_every_metric_is_in_the_catalog(built: list[dash.Dashboard]) -> None:
                 names = metric_names(selector)
                 assert names and names <= catalog
                 assert all(label in _labels_of(x) for x in names)
-    # the dashboards cover the memory metrics operators need
+    # the dashboards cover the memory metrics operators need, directly or through recorded series
+    from fsdp_mem_otel.alerts import recording_rules
+
+    reads = {r["record"]: metric_names(r["expr"]) for r in recording_rules()}
+    for _ in range(3):  # recorded series read other recorded series
+        used |= {name for rec in used & set(reads) for name in reads[rec]}
     for m in (cat.STEP_PEAK_BYTES, cat.CURRENT_BYTES, cat.MODULE_PEAK_BYTES, cat.DEVICE_TOTAL_BYTES,
               cat.ALLOCATED_BYTES, cat.RESERVED_BYTES, cat.UNTRACKED_BYTES, cat.FRAGMENTATION_RATIO,
               cat.ALLOC_RETRIES_TOTAL, cat.OOMS_TOTAL, cat.RESIDENT_BYTES, cat.SIDECAR_RANK_STALE):
