@@ -1,4 +1,4 @@
-"""The ``fsdp-mem-otel`` command: demo | serve | rules | dashboards | report | compare (see ``USAGE``)."""
+"""The ``fsdp-mem-otel`` command: demo | estimate | serve | rules | dashboards | report | compare (see ``USAGE``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ USAGE = """usage: fsdp-mem-otel COMMAND [options]
 
 commands:
   demo    run a real 2-rank FSDP training on CPU with the tracker; print per-module tables
+  estimate  a FSDP2 job's per-rank, per-module memory before launch (FakeTensorMode, no GPU)
   serve   serve every rank's sidecar exposition files from one /metrics endpoint
   rules   write the Prometheus alert/recording rules, PrometheusRule and dashboard ConfigMaps
   dashboards  write the Grafana dashboards (JSON) built from the metric catalog
@@ -47,6 +48,12 @@ def demo(argv: Sequence[str]) -> int:
     return subprocess.call(cmd, env=env)
 
 
+def estimate(argv: Sequence[str]) -> int:
+    from fsdp_mem_otel.estimate import estimate_main
+
+    return estimate_main(argv)
+
+
 def serve(argv: Sequence[str]) -> int:
     from fsdp_mem_otel.serve import serve_main
 
@@ -78,7 +85,8 @@ def compare(argv: Sequence[str]) -> int:
 
 
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
-    "demo": demo, "serve": serve, "rules": rules, "dashboards": dashboards, "report": report, "compare": compare,
+    "demo": demo, "estimate": estimate, "serve": serve, "rules": rules, "dashboards": dashboards, "report": report,
+    "compare": compare,
 }
 
 

@@ -71,7 +71,7 @@ class DeepMode(TorchDispatchMode):
 
 def _track_outputs(ledger: Ledger, res: Any, category: str) -> None:
     if isinstance(res, torch.Tensor):
-        if not isinstance(res, FakeTensor):
+        if not isinstance(res, FakeTensor) or res.fake_mode is ledger.fake_mode:
             ledger.track(res, category, recategorize=False)
     elif isinstance(res, (tuple, list)):
         for r in res:

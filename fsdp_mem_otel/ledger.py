@@ -28,20 +28,25 @@ from fsdp_mem_otel.schema import CATEGORY_KEYS, TOTAL, DeviceBreakdown
 _CUDA_MIN_BLOCK = 512 if os.environ.get(env.PYTORCH_NO_CUDA_MEMORY_CACHING, "0") == "0" else 1
 
 
-def storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:
-    """The untyped storages behind ``t``, looking through wrapper subclasses such as DTensor."""
+def storages_of(t: torch.Tensor, fake_mode: Any = None) -> list[torch.UntypedStorage]:
+    """The untyped storages behind ``t``, looking through wrapper subclasses such as DTensor.
+
+    Fake tensors have no memory behind them, except those of ``fake_mode`` (an estimate's).
+    """
     cls = type(t)
     if cls is torch.Tensor or cls is nn.Parameter:
         return [t.untyped_storage()] if t.layout is torch.strided else []
     if cls is DTensor:
-        return storages_of(t._local_tensor)  # type: ignore[attr-defined]
+        return storages_of(t._local_tensor, fake_mode)  # type: ignore[attr-defined]
+    if cls is FakeTensor and fake_mode is not None and t.fake_mode is fake_mode:  # type: ignore[attr-defined]
+        return [t.untyped_storage()] if t.layout is torch.strided else []
     if is_traceable_wrapper_subclass(t):
         attrs, _ = t.__tensor_flatten__()
         out: list[torch.UntypedStorage] = []
         for name in attrs:
             inner = getattr(t, name)
             if isinstance(inner, torch.Tensor):  # DTensor also flattens its DeviceMesh
-                out.extend(storages_of(inner))
+                out.extend(storages_of(inner, fake_mode))
         return out
     if isinstance(t, FakeTensor) or t.layout is not torch.strided or t.device.type == "meta":
         return []  # no real memory behind it
@@ -112,6 +117,14 @@ class Ledger:
         # Light mode: every growth is a peak candidate. Deep mode turns this off and offers once
         # per op (offer_current), the instants upstream MemTracker evaluates, so both agree.
         self.offer_on_add = True
+        # count_fake(): an estimate's fake tensors count as memory on this device
+        self.fake_mode: Any = None
+        self._fake_device: torch.device | None = None
+
+    def count_fake(self, fake_mode: Any, device: torch.device) -> None:
+        """Account the tensors of ``fake_mode`` (a FakeTensorMode) as memory on ``device``
+        (``fsdp-mem-otel estimate``); other fake tensors stay uncounted."""
+        self.fake_mode, self._fake_device = fake_mode, device
 
     # -- updates -------------------------------------------------------------------------------
     def track(self, t: torch.Tensor, category: str, recategorize: bool = True) -> None:
@@ -124,7 +137,7 @@ class Ledger:
         if (cls is torch.Tensor or cls is nn.Parameter) and t.layout is torch.strided:
             self.track_storage(t.untyped_storage(), category, recategorize)
             return
-        for st in storages_of(t):
+        for st in storages_of(t, self.fake_mode):
             self.track_storage(st, category, recategorize)
 
     def track_all(self, tensors: list[Any], category: str) -> None:
@@ -142,7 +155,7 @@ class Ledger:
             if id(st) not in self._entries:
                 self._new_entry(st, category)
             return
-        for st in storages_of(t):
+        for st in storages_of(t, self.fake_mode):
             if id(st) not in self._entries:
                 self._new_entry(st, category)
 
@@ -169,6 +182,8 @@ class Ledger:
 
     def _new_entry(self, st: torch.UntypedStorage, category: str) -> None:
         dev = st.device
+        if dev.type == "meta" and self._fake_device is not None:  # a counted fake tensor's storage
+            dev = self._fake_device
         known = self._devices.get(dev)
         if known is None:
             block = _CUDA_MIN_BLOCK if dev.type == "cuda" else 1
@@ -195,13 +210,13 @@ class Ledger:
         temp) becomes all_gather/reduce_scatter, but what an adapter named explicitly (FSDP1's
         unsharded grad doubling as the reduce-scatter input) keeps its name.
         """
-        for st in storages_of(t):
+        for st in storages_of(t, self.fake_mode):
             entry = self._entries.get(id(st))
             self.track_storage(st, category, recategorize=entry is None or entry[1] in guesses)
 
     def refresh(self, t: torch.Tensor) -> None:
         """Re-read the sizes of ``t``'s storages (after ``resize_``), keeping their categories."""
-        for st in storages_of(t):
+        for st in storages_of(t, self.fake_mode):
             self.refresh_storage(st)
 
     def refresh_storage(self, st: torch.UntypedStorage) -> None:
