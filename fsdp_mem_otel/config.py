@@ -130,6 +130,7 @@ EXPORT_ENV_FIELDS = {
     env.FSDP_MEM_OTEL_JSONL_MODULES_EVERY: "jsonl_modules_every",
     env.FSDP_MEM_OTEL_JSONL_MAX_BYTES: "jsonl_max_bytes",
     env.FSDP_MEM_OTEL_JSONL_BACKUP_COUNT: "jsonl_backup_count",
+    env.FSDP_MEM_OTEL_JSONL_COMPRESS: "jsonl_compress",
     env.FSDP_MEM_OTEL_SPANS_EVERY: "spans_every",
     env.FSDP_MEM_OTEL_MODULE_SPANS_EVERY: "module_spans_every",
 }
@@ -195,6 +196,7 @@ class JSONLConfig:
     max_queue: int = 1000
     max_queue_bytes: int = 64 * 1024 * 1024
     index: bool = True
+    compress: bool = True
     modules_every: int = DEFAULT_JSONL_MODULES_EVERY
     modules_change: float = DEFAULT_JSONL_MODULES_CHANGE
 
@@ -207,6 +209,7 @@ class JSONLConfig:
         check_int("max_queue", self.max_queue, 1)
         check_int("max_queue_bytes", self.max_queue_bytes, 1)
         check_bool("index", self.index)
+        check_bool("compress", self.compress)
         check_int("modules_every", self.modules_every, 1)
         if isinstance(self.modules_change, bool) or not isinstance(self.modules_change, int | float) \
                 or not self.modules_change >= 0:
@@ -254,7 +257,7 @@ class ExportConfig:
         sidecar_dir: write each step's exposition to ``<dir>/rank-<rank>.prom``.
         sidecar_interval_seconds: at most this often (the newest step; 0: every step).
         jsonl: path of the JSON-lines file; ``{rank}`` is replaced by the rank.
-        jsonl_modules_every, jsonl_max_bytes, jsonl_backup_count: see ``JSONLConfig``.
+        jsonl_modules_every, jsonl_max_bytes, jsonl_backup_count, jsonl_compress: see ``JSONLConfig``.
         spans_every: OpenTelemetry spans for step 1 and every Nth step (when an OTLP endpoint is set).
         module_spans_every: module spans on step 1, every Nth, deep and aborted steps.
     """
@@ -274,6 +277,7 @@ class ExportConfig:
     jsonl_modules_every: int = DEFAULT_JSONL_MODULES_EVERY
     jsonl_max_bytes: int = 256 * 1024 * 1024
     jsonl_backup_count: int = 5
+    jsonl_compress: bool = True
     spans_every: int = 1
     module_spans_every: int = DEFAULT_MODULE_SPANS_EVERY
 
@@ -303,7 +307,8 @@ class ExportConfig:
         if self.jsonl is None:
             raise ValueError("jsonl is not set: no JSON-lines file configured")
         return JSONLConfig(path=self.jsonl.replace("{rank}", str(rank)), modules_every=self.jsonl_modules_every,
-                           max_bytes=self.jsonl_max_bytes, backup_count=self.jsonl_backup_count)
+                           max_bytes=self.jsonl_max_bytes, backup_count=self.jsonl_backup_count,
+                           compress=self.jsonl_compress)
 
     def otel_config(self) -> OTelConfig:
         """The span exporter's part (spans are on when the OTEL_* environment sets an endpoint)."""

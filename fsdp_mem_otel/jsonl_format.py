@@ -7,7 +7,9 @@ Layout: one ``StepReport.to_dict()`` per line, keys sorted (so the step-level fi
 ``"modules"``, nearly all of a line's bytes). Beside each data file, ``<file>.index`` holds one
 compact entry per data line: ``{"length": L, "offset": O, "report": {...}}``, the line's
 step-level fields (``INDEX_OMITS`` left out) and where the whole line is. Rotation moves
-``path`` -> ``path.1`` -> ... with each index following its data file.
+``path`` -> ``path.1`` -> ... with each index following its data file; a rotated file is
+gzip-compressed (``path.1.gz``, its index ``path.1.gz.index``, offsets in the uncompressed
+bytes), and every reader here reads both forms.
 
 Reading: ``read_reports`` parses whole lines; ``scan`` reads only the step-level fields (from a
 consistent index, else around ``"modules"``), one file at a time, and ``read_line`` reads back
@@ -17,9 +19,11 @@ each line is). A line that does not parse is skipped with a warning.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
+import struct
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -92,24 +96,76 @@ def move_pair(src: str, dst: str) -> None:
         remove_if_exists(index_path(dst))  # a stale index must not pair with other data
 
 
+#: suffix of a compressed rotated data file (``run.jsonl.1.gz``)
+GZIP_SUFFIX = ".gz"
+
+
+def is_gzip(path: str) -> bool:
+    return path.endswith(GZIP_SUFFIX)
+
+
+def slot_files(path: str, i: int) -> list[str]:
+    """The data files of rotation slot ``i`` of ``path`` that exist (plain and/or compressed)."""
+    return [f for f in (f"{path}.{i}", f"{path}.{i}{GZIP_SUFFIX}") if os.path.exists(f)]
+
+
+def compress_pair(path: str, level: int = 6) -> str:
+    """Compress the rotated data file ``path`` to ``path.gz`` (its index follows); returns the new
+    name. Written to a temporary file first, so a crash leaves ``path`` whole; readers take the
+    plain file when both exist."""
+    dst = path + GZIP_SUFFIX
+    tmp = dst + ".tmp"
+    try:
+        with open(path, "rb") as src, open(tmp, "wb") as raw, \
+                gzip.GzipFile(os.path.basename(path), "wb", level, raw) as out:
+            while chunk := src.read(_CHUNK):
+                out.write(chunk)
+        os.replace(tmp, dst)
+    except BaseException:
+        try:
+            remove_if_exists(tmp)
+        except OSError:
+            pass
+        raise
+    if os.path.exists(index_path(path)):
+        os.replace(index_path(path), index_path(dst))
+    os.remove(path)
+    return dst
+
+
+def open_data(path: str) -> Any:
+    """A data file for binary reading, decompressed when it is gzip (seekable either way)."""
+    return gzip.open(path, "rb") if is_gzip(path) else open(path, "rb", buffering=0)
+
+
+def data_size(path: str) -> int:
+    """The uncompressed size of a data file (for gzip, the trailer's size: modulo 4 GiB)."""
+    if not is_gzip(path):
+        return os.path.getsize(path)
+    with open(path, "rb") as f:
+        f.seek(-4, os.SEEK_END)
+        return int(struct.unpack("<I", f.read(4))[0])
+
+
 
 # -- reading back ---------------------------------------------------------------------------
 def rotated_files(path: str | os.PathLike[str]) -> list[str]:
-    """``path``'s rotated predecessors and ``path`` itself, oldest first, those that exist."""
+    """``path``'s rotated predecessors (plain or compressed; the plain one where a crash left
+    both) and ``path`` itself, oldest first, those that exist."""
     base = check_path("path", path)
     parent = os.path.dirname(base) or "."
     name = os.path.basename(base)
-    pattern = re.compile(re.escape(name) + r"\.(\d+)$")
-    numbered: list[tuple[int, str]] = []
+    pattern = re.compile(re.escape(name) + r"\.(\d+)(" + re.escape(GZIP_SUFFIX) + r")?$")
+    numbered: dict[int, str] = {}
     try:
         entries = os.listdir(parent)
     except FileNotFoundError:
         entries = []
     for entry in entries:
         m = pattern.match(entry)
-        if m:
-            numbered.append((int(m.group(1)), os.path.join(parent, entry)))
-    files = [p for _, p in sorted(numbered, reverse=True)]
+        if m and (int(m.group(1)) not in numbered or not m.group(2)):
+            numbered[int(m.group(1))] = os.path.join(parent, entry)
+    files = [numbered[i] for i in sorted(numbered, reverse=True)]
     if os.path.exists(base):
         files.append(base)
     return files
@@ -158,7 +214,7 @@ def _read(files: list[str]) -> Iterator[StepReport]:
 
 def _read_lines(files: list[str]) -> Iterator[StepReport]:
     for path in files:
-        with open(path, "rb") as f:
+        with gzip.open(path, "rb") if is_gzip(path) else open(path, "rb") as f:
             for i, raw in enumerate(f):
                 if not raw.strip():
                     continue
@@ -197,7 +253,7 @@ def step_peak(report: StepReport, device: str) -> int:
 def read_line(path: str, start: int, end: int) -> StepReport | None:
     """The complete report of the line at bytes ``start`` .. ``end`` of ``path`` (None, with a
     warning, if it does not parse)."""
-    with open(path, "rb") as f:
+    with open_data(path) as f:
         f.seek(start)
         raw = f.read(end - start)
     try:
@@ -275,7 +331,7 @@ def scan(paths: Sequence[str], progress: Progress = quiet, workers: int | None =
         groups.append((p, files))
     order = [(p, f) for p, files in groups for f in files]
     unindexed = {f for _, f in order if not os.path.exists(index_path(f))}
-    total = sum(os.path.getsize(f) for f in unindexed)
+    total = sum(data_size(f) for f in unindexed)
     if workers is None:
         workers = min(2, os.cpu_count() or 1, len(unindexed)) if total >= PARALLEL_BYTES else 1
     t0 = time.perf_counter()
@@ -310,7 +366,7 @@ def scan(paths: Sequence[str], progress: Progress = quiet, workers: int | None =
             reports, spans, warned = got
             for msg in warned:
                 warnings.warn(msg, RuntimeWarning, stacklevel=2)
-            progress(f"read {f} ({how}): {len(reports)} steps, {os.path.getsize(f) / 1e6:.1f} MB "
+            progress(f"read {f} ({how}): {len(reports)} steps, {data_size(f) / 1e6:.1f} MB "
                      f"({time.perf_counter() - t0:.1f} s since start of reading; file {i + 1} of {len(order)})")
             counts[group] += len(reports)
             yield ScannedFile(group, f, reports, spans)
@@ -330,7 +386,7 @@ def _scan_one(path: str) -> _Scanned:
     out: list[StepReport] = []
     spans: list[tuple[int, int]] = []
     warned: list[str] = []
-    with open(path, "rb", buffering=0) as f:
+    with open_data(path) as f:
         _scan_range(f, path, 0, None, 0, out, spans, warned)
     return out, spans, warned
 
@@ -397,9 +453,9 @@ def _from_index(path: str, progress: Progress) -> _Scanned | None:
                       stacklevel=3)
         return None
     try:
-        size = os.path.getsize(path)
+        size = data_size(path)
         entries = _parse_index(raw, size)
-        with open(path, "rb", buffering=0) as f:
+        with open_data(path) as f:
             n = len(entries)
             for k in sorted({n * i // _SPOT_CHECKS for i in range(_SPOT_CHECKS)} | {n - 1} if n else set()):
                 _check_entry(f, *entries[k])

@@ -8,6 +8,7 @@ report's own reader); the page's figures are parsed back out of the HTML.
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 import os
 import re
@@ -78,8 +79,10 @@ def write_jsonl(path: Path, reports: list[StepReport]) -> None:
 
 
 def raw_lines(*paths: Path) -> list[dict[str, Any]]:
-    """The independent oracle: every JSON line, parsed with json."""
-    return [json.loads(line) for p in paths for line in Path(p).read_text().splitlines() if line.strip()]
+    """The independent oracle: every JSON line, parsed with json (rotated files decompressed with gzip)."""
+    texts = [gzip.decompress(Path(p).read_bytes()).decode() if str(p).endswith(".gz") else Path(p).read_text()
+             for p in paths]
+    return [json.loads(line) for text in texts for line in text.splitlines() if line.strip()]
 
 
 # -- reading the page back -----------------------------------------------------------------------

@@ -8,7 +8,9 @@ is bounded in reports and in bytes; beyond that the oldest waiting reports are d
 and a write stuck for ``DEFAULT_STALL_SECONDS`` is logged once, so a hung file system costs
 bounded memory. Before a line would take the file past ``max_bytes`` the file is rotated like
 ``logging.handlers.RotatingFileHandler``:
-``path`` -> ``path.1`` -> ... -> ``path.<backup_count>`` (the oldest is deleted).
+``path`` -> ``path.1`` -> ... -> ``path.<backup_count>`` (the oldest is deleted); the file just
+rotated is gzip-compressed in the writer's thread (``path.1.gz``, about a tenth of the bytes;
+``compress=False`` keeps it plain), and ``read_reports``, ``report`` and ``compare`` read it.
 
 Why not ``RotatingFileHandler`` itself: it reports write failures only through
 ``Handler.handleError`` (a traceback on stderr per record), leaves a half-rotated stream behind,
@@ -41,18 +43,22 @@ from typing import Any
 from fsdp_mem_otel.config import DEFAULT_JSONL_MODULES_CHANGE, DEFAULT_JSONL_MODULES_EVERY, JSONLConfig
 from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.jsonl_format import (
+    GZIP_SUFFIX,
     INDEX_OMITS,
     INDEX_SUFFIX,
     RANK_PLACEHOLDER,
     check_path,
+    compress_pair,
     encode,
     index_line,
     index_path,
+    is_gzip,
     is_index_path,
     move_pair,
     read_reports,
     remove_if_exists,
     rotated_files,
+    slot_files,
 )
 from fsdp_mem_otel.schema import DEEP, PEAK_BACKWARD, PEAK_FORWARD, StepReport
 from fsdp_mem_otel.worker import BackgroundWorker
@@ -95,6 +101,7 @@ class JSONLExporter:
             at most; beyond that the oldest waiting are dropped and counted (``dropped_total``
             and ``errors_total``).
         index: also write the side index ``<file>.index`` (see the module doc).
+        compress: gzip each rotated file (``path.1.gz``; a failure is counted and leaves it plain).
         modules_every, modules_change: the budget. A line carries the module snapshots (nearly
             all of its bytes at 100 modules) on the first step, every ``modules_every``-th step,
             deep and aborted steps, the first line of a file, and when the module keys changed or
@@ -119,6 +126,7 @@ class JSONLExporter:
         max_queue: int = DEFAULT_MAX_QUEUE,
         max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
         index: bool = True,
+        compress: bool = True,
         modules_every: int = DEFAULT_JSONL_MODULES_EVERY,
         modules_change: float = DEFAULT_JSONL_MODULES_CHANGE,
         config: JSONLConfig | None = None,
@@ -126,7 +134,7 @@ class JSONLExporter:
         if config is None:
             config = JSONLConfig(path=check_path("path", path), max_bytes=max_bytes, backup_count=backup_count,
                                  max_queue=max_queue, max_queue_bytes=max_queue_bytes, index=index,
-                                 modules_every=modules_every, modules_change=modules_change)
+                                 compress=compress, modules_every=modules_every, modules_change=modules_change)
         elif not isinstance(config, JSONLConfig):
             raise TypeError(f"config must be a JSONLConfig or None; got {type(config).__name__}")
         self.config = config
@@ -283,18 +291,28 @@ class JSONLExporter:
 
     def _rotate(self, path: str) -> None:
         """Data file and index move together: ``path.i`` and ``path.i.index`` -> ``path.i+1`` and
-        ``path.i+1.index``; a data file moved without an index leaves none behind at its target."""
+        ``path.i+1.index`` (``.gz`` ones alike); a data file moved without an index leaves none
+        behind at its target. Then ``path.1`` is compressed (``compress``)."""
         self._close_file()
         if self.backup_count > 0:
+            for oldest in slot_files(path, self.backup_count):
+                remove_if_exists(oldest)
+                remove_if_exists(index_path(oldest))
             for i in range(self.backup_count - 1, 0, -1):
-                src = f"{path}.{i}"
-                if os.path.exists(src):
-                    move_pair(src, f"{path}.{i + 1}")
+                for src in slot_files(path, i):
+                    move_pair(src, f"{path}.{i + 1}{GZIP_SUFFIX if is_gzip(src) else ''}")
             move_pair(path, f"{path}.1")
         else:
             os.remove(path)
             remove_if_exists(index_path(path))
         self._open(path)
+        if self.backup_count > 0 and self.config.compress:
+            try:
+                compress_pair(f"{path}.1")
+            except OSError as exc:  # the file stays plain and readable
+                self.failures.failed("compressing", exc, f"{path}.1")
+            else:
+                self.failures.recovered("compressing")
 
     def _close_file(self) -> None:
         f, self._file = self._file, None

@@ -4,6 +4,7 @@ lines, I/O faults counted and recovered from, validation, and no torch import.""
 from __future__ import annotations
 
 import errno
+import gzip
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from fsdp_mem_otel import jsonl_format
 from fsdp_mem_otel.exporters import jsonl
 from fsdp_mem_otel.exporters.jsonl import JSONLExporter, read_reports, rotated_files
 from fsdp_mem_otel.schema import CATEGORY_KEYS, STATES, ModuleReport, StepAbort, StepReport
@@ -112,7 +114,7 @@ def test_rank_placeholder_and_parent_dirs(tmp_path: Path) -> None:
 def test_rotation_by_size(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     line = len(make_report(1).to_json()) + 1
-    exp = JSONLExporter(path, max_bytes=int(line * 2.5), backup_count=2, modules_every=1)
+    exp = JSONLExporter(path, max_bytes=int(line * 2.5), backup_count=2, modules_every=1, compress=False)
     reports = [make_report(s) for s in range(1, 11)]
     export_all(exp, reports)
     exp.shutdown()
@@ -129,6 +131,69 @@ def test_rotation_by_size(tmp_path: Path) -> None:
     assert [r.step for r in read_reports(str(path) + ".1")] == [7, 8]  # a rotated file alone
 
 
+def test_rotated_files_are_compressed_and_read_back(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    line = len(make_report(1).to_json()) + 1
+    reports = [make_report(s) for s in range(1, 11)]
+    plain = tmp_path / "plain" / "run.jsonl"
+    for target, compress in ((path, True), (plain, False)):
+        exp = JSONLExporter(target, max_bytes=int(line * 2.5), backup_count=3, modules_every=1, compress=compress)
+        export_all(exp, reports)
+        exp.shutdown()
+        assert exp.errors_total == 0
+    assert sorted(os.listdir(tmp_path)) == ["plain", "run.jsonl", "run.jsonl.1.gz", "run.jsonl.1.gz.index",
+                                            "run.jsonl.2.gz", "run.jsonl.2.gz.index", "run.jsonl.3.gz",
+                                            "run.jsonl.3.gz.index", "run.jsonl.index"]
+    for i in (1, 2, 3):  # the same bytes as the plain rotation's, and the same index
+        packed = Path(f"{path}.{i}.gz")
+        assert gzip.decompress(packed.read_bytes()) == Path(f"{plain}.{i}").read_bytes()
+        assert Path(f"{packed}.index").read_bytes() == Path(f"{plain}.{i}.index").read_bytes()
+        assert packed.stat().st_size < Path(f"{plain}.{i}").stat().st_size / 3
+    assert rotated_files(path) == [f"{path}.3.gz", f"{path}.2.gz", f"{path}.1.gz", str(path)]
+    assert list(read_reports(path)) == reports[2:]  # steps 3-10: 2 lines per file
+    # the report's reader: step-level fields from each compressed file's index, then whole lines
+    notes: list[str] = []
+    scanned = list(jsonl_format.scan([str(path)], progress=notes.append))
+    assert [(f.path, [r.step for r in f.reports]) for f in scanned] == [
+        (f"{path}.3.gz", [3, 4]), (f"{path}.2.gz", [5, 6]), (f"{path}.1.gz", [7, 8]), (str(path), [9, 10])]
+    assert sum("via its index" in n for n in notes) == 4
+    f = scanned[1]
+    assert jsonl_format.read_line(f.path, *f.spans[1]) == reports[5]
+
+
+def test_compression_failure_is_counted_and_the_file_stays_plain(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def disk_full(path: str, level: int = 6) -> str:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(jsonl, "compress_pair", disk_full)
+    path = tmp_path / "run.jsonl"
+    line = len(make_report(1).to_json()) + 1
+    exp = JSONLExporter(path, max_bytes=int(line * 1.5), backup_count=2, modules_every=1)
+    with caplog.at_level(logging.WARNING, logger="fsdp_mem_otel"):
+        export_all(exp, [make_report(s) for s in range(1, 4)])
+        exp.shutdown()
+    assert (exp.errors_total, exp.lines_total) == (2, 3)  # two rotations failed to compress, no line lost
+    assert sum("compressing" in r.getMessage() for r in caplog.records) == 1  # logged once
+    assert rotated_files(path) == [f"{path}.2", f"{path}.1", str(path)]
+    assert [r.step for r in read_reports(path)] == [1, 2, 3]
+
+
+def test_a_crash_while_compressing_leaves_one_copy_read(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    exp = JSONLExporter(path, modules_every=1)
+    export_all(exp, [make_report(1)])
+    exp.shutdown()
+    os.replace(path, f"{path}.1")
+    # killed after the compressed copy was complete, before the plain file was removed
+    Path(f"{path}.1.gz").write_bytes(gzip.compress(Path(f"{path}.1").read_bytes()))
+    Path(f"{path}.1.gz.tmp").write_bytes(b"half a gzip")
+    export_all(exp := JSONLExporter(path, modules_every=1), [make_report(2)])
+    exp.shutdown()
+    assert rotated_files(path) == [f"{path}.1", str(path)]
+    assert [r.step for r in read_reports(path)] == [1, 2]
+
+
 def test_rotation_without_backups_restarts_file(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     line = len(make_report(1).to_json()) + 1
@@ -142,7 +207,7 @@ def test_rotation_without_backups_restarts_file(tmp_path: Path) -> None:
 
 def test_line_larger_than_cap_gets_own_file(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
-    exp = JSONLExporter(path, max_bytes=100, backup_count=5, modules_every=1)
+    exp = JSONLExporter(path, max_bytes=100, backup_count=5, modules_every=1, compress=False)
     export_all(exp, [make_report(s) for s in range(1, 4)])
     exp.shutdown()
     assert [len(Path(p).read_text().splitlines()) for p in rotated_files(path)] == [1, 1, 1]
@@ -349,7 +414,7 @@ def test_index_paired_through_rotation_and_stale_index_dropped(tmp_path: Path) -
     path = tmp_path / "run.jsonl"
     line = len(make_report(1).to_json()) + 1
     Path(str(path) + ".2.index").write_text("stale\n")  # an index without its data file
-    exp = JSONLExporter(path, max_bytes=int(line * 1.5), backup_count=3, modules_every=1)
+    exp = JSONLExporter(path, max_bytes=int(line * 1.5), backup_count=3, modules_every=1, compress=False)
     export_all(exp, [make_report(s) for s in range(1, 4)])
     exp.shutdown()
     for p in rotated_files(path):
