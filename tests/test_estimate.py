@@ -17,7 +17,7 @@ import json
 import math
 import subprocess
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from fsdp_mem_otel.compare import compare_runs
+from fsdp_mem_otel.demo import BlockModel
 from fsdp_mem_otel.estimate import FSDP1_UNSUPPORTED, EstimateConfig, estimate, scale
 from fsdp_mem_otel.schema import PEAK_BACKWARD, PEAK_FORWARD, TOTAL, StepReport
 from tests.dist import run_ranks
@@ -116,14 +117,26 @@ def _padded_shard_bytes(model: torch.nn.Module, world: int, itemsize: int = 4) -
     return total
 
 
-def test_bytes_per_rank_follow_the_arithmetic_at_fleet_world_sizes() -> None:
-    # a model whose every dim 0 is at least 1,024, so that no rank holds padding only
-    config = EstimateConfig(model="tests.estimate_models:transformer", loss="tests.estimate_models:next_token_loss",
-                            batch_shape=(2, 16), input_dtype="int64")
-    wide = {"model": _wide_transformer, "world_size": 8}
+def _wide_transformer() -> torch.nn.Module:
+    return Transformer(vocab=1024, dim=1024, heads=8, layers=2)
+
+
+#: models whose every dim 0 is at least 1,024, so that no rank holds padding only: a transformer,
+#: and README's world-size table (the demo model, 8 blocks of width 2048, bf16 parameters)
+FLEET_CONFIGS = {
+    "transformer": (EstimateConfig(model=_wide_transformer, loss="tests.estimate_models:next_token_loss",
+                                   batch_shape=(2, 16), input_dtype="int64"), _wide_transformer),
+    "demo_2048_bf16": (EstimateConfig(blocks=8, width=2048, batch_shape=(64, 2048), param_dtype="bf16",
+                                      reduce_dtype="fp32"), lambda: BlockModel(8, 2048)),
+}
+
+
+@pytest.mark.parametrize("name", list(FLEET_CONFIGS))
+def test_bytes_per_rank_follow_the_arithmetic_at_fleet_world_sizes(name: str) -> None:
+    config, factory = FLEET_CONFIGS[name]
     sizes = [8, 64, 1024]
-    rows = scale(replace(config, **wide), sizes)
-    model = _wide_transformer()
+    rows = scale(config, sizes)
+    model = factory()
     n_params = len(list(model.parameters()))
     for row in rows:
         shard = _padded_shard_bytes(model, row.world_size)
@@ -137,10 +150,6 @@ def test_bytes_per_rank_follow_the_arithmetic_at_fleet_world_sizes() -> None:
     for a, b in zip(rows, rows[1:], strict=False):
         assert a.step_peak - b.step_peak <= 4 * (a.sharded_param - b.sharded_param) + 4096, (a, b)
         assert a.step_peak - b.step_peak >= 2 * (a.sharded_param - b.sharded_param), (a, b)
-
-
-def _wide_transformer() -> torch.nn.Module:
-    return Transformer(vocab=1024, dim=1024, heads=8, layers=2)
 
 
 def test_fsdp1_and_unsharded_wraps_are_clear_errors() -> None:
