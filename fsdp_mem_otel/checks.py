@@ -73,17 +73,32 @@ def check_tls(certfile: object, keyfile: object, client_cafile: object, prefix: 
                 raise ValueError(f"{name}: no such file {os.fspath(path)!r}")
 
 
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse ``type``: a whole number >= ``minimum``, with an error naming what is accepted."""
+def int_at_least(minimum: int, maximum: int | None = None, what: str | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number in ``minimum``..``maximum``, with an error naming
+    what is accepted (``what``, else it is said from the bounds)."""
+    if what is None:
+        what = ("a positive integer" if minimum == 1 else f"an integer >= {minimum}") if maximum is None \
+            else f"an integer in {minimum}..{maximum}"
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}; got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}; got {value}")
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
         return value
 
-    parse.__name__ = f"integer >= {minimum}"
+    parse.__name__ = what
     return parse
+
+
+def seconds_above_zero(text: str) -> float:
+    """An argparse ``type``: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value}")
+    return value

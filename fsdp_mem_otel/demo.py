@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
 
+from fsdp_mem_otel.checks import int_at_least
+
 
 class InnerLinear(nn.Linear):
     """A Linear that nested wrapping shards on its own (a distinct type for FSDP1 policies)."""
@@ -239,43 +241,20 @@ def _demo_exporters(args: Any, rank: int, world: int) -> list[Any]:
 
 def add_demo_args(p: Any) -> None:
     """The rank-side demo options (shared with the ``fsdp-mem-otel demo`` launcher)."""
-    p.add_argument("--steps", type=_positive, default=20, help="training steps (default 20)")
+    p.add_argument("--steps", type=int_at_least(1), default=20, help="training steps (default 20)")
     p.add_argument("--fsdp", type=int, choices=(1, 2), default=2, help="FSDP generation (default 2)")
-    p.add_argument("--blocks", type=_positive, default=4, help="residual blocks (default 4)")
-    p.add_argument("--width", type=_positive, default=64, help="block width (default 64)")
-    p.add_argument("--batch", type=_positive, default=32, help="batch size per rank (default 32)")
+    p.add_argument("--blocks", type=int_at_least(1), default=4, help="residual blocks (default 4)")
+    p.add_argument("--width", type=int_at_least(1), default=64, help="block width (default 64)")
+    p.add_argument("--batch", type=int_at_least(1), default=32, help="batch size per rank (default 32)")
     p.add_argument("--mode", choices=("light", "deep"), default="light", help="tracker mode (default light)")
-    p.add_argument("--deep-every", type=_non_negative, default=5, help="run every Nth step deep (default 5; 0 = never)")
-    p.add_argument("--port", type=_port, default=None,
+    p.add_argument("--deep-every", type=int_at_least(0), default=5,
+                   help="run every Nth step deep (default 5; 0 = never)")
+    p.add_argument("--port", type=int_at_least(1, 65535, "a TCP port (1-65535)"), default=None,
                    help="serve Prometheus /metrics per rank on PORT + local rank (default: off)")
     p.add_argument("--sidecar-dir", default=None,
                    help="also write each rank's exposition to DIR/rank-<rank>.prom for `fsdp-mem-otel serve`")
     p.add_argument("--out", default=None,
                    help="write every StepReport as JSON lines; RUN.jsonl becomes RUN.rank<N>.jsonl per rank")
-
-
-def _int_at_least(raw: str, low: int, what: str, high: int | None = None) -> int:
-    import argparse
-
-    try:
-        value = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {raw!r}") from None
-    if value < low or (high is not None and value > high):
-        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
-    return value
-
-
-def _positive(raw: str) -> int:
-    return _int_at_least(raw, 1, "a positive integer")
-
-
-def _non_negative(raw: str) -> int:
-    return _int_at_least(raw, 0, "an integer >= 0")
-
-
-def _port(raw: str) -> int:
-    return _int_at_least(raw, 1, "a TCP port (1-65535)", 65535)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 
 from fsdp_mem_otel import catalog as cat
-from fsdp_mem_otel.checks import check_tls
+from fsdp_mem_otel.checks import check_tls, int_at_least, seconds_above_zero
 from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.http_server import CONTENT_TYPE, MetricsServer, ssl_context
 from fsdp_mem_otel.rank_files import rank_of
@@ -316,17 +316,18 @@ def make_server(directory: str, port: int, addr: str = "0.0.0.0", *, certfile: s
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """The ``serve`` options (for the CLI's subparser)."""
     p.add_argument("--dir", required=True, help="directory the ranks write rank-<rank>.prom files to")
-    p.add_argument("--port", type=_port, required=True, help="port to serve /metrics on")
+    p.add_argument("--port", type=int_at_least(0, 65535, "a port in 0..65535"), required=True,
+                   help="port to serve /metrics on")
     p.add_argument("--addr", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     p.add_argument("--certfile", help="serve HTTPS with this certificate (PEM); needs --keyfile")
     p.add_argument("--keyfile", help="private key of --certfile (PEM)")
     p.add_argument("--client-cafile", help="require client certificates signed by this CA (mutual TLS)")
-    p.add_argument("--stale-seconds", type=_positive_float, default=DEFAULT_STALE_SECONDS,
+    p.add_argument("--stale-seconds", type=seconds_above_zero, default=DEFAULT_STALE_SECONDS,
                    help=f"a rank whose file is older than this is flagged stale (default {DEFAULT_STALE_SECONDS:g})")
-    p.add_argument("--max-file-bytes", type=_positive_int, default=DEFAULT_MAX_FILE_BYTES,
+    p.add_argument("--max-file-bytes", type=int_at_least(1), default=DEFAULT_MAX_FILE_BYTES,
                    help=f"read at most this much of one rank file; larger ones are refused (default "
                         f"{DEFAULT_MAX_FILE_BYTES})")
-    p.add_argument("--max-files", type=_positive_int, default=DEFAULT_MAX_FILES,
+    p.add_argument("--max-files", type=int_at_least(1), default=DEFAULT_MAX_FILES,
                    help=f"serve at most this many rank files (default {DEFAULT_MAX_FILES})")
 
 
@@ -362,36 +363,6 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     finally:
         server.stop(timeout=1.0)
     return 0
-
-
-def _port(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {raw!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {value}")
-    return value
-
-
-def _positive_int(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {raw!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
-    return value
-
-
-def _positive_float(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {raw!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value}")
-    return value
 
 
 if __name__ == "__main__":

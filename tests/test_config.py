@@ -75,3 +75,21 @@ def test_export_config_from_env_and_validation(tmp_path) -> None:  # type: ignor
         ExportConfig.from_env({"FSDP_MEM_OTEL_SIDECAR_INTERVAL": "soon"})
     with pytest.raises(ValueError, match="detail_top_k must be an integer >= 1"):
         ExportConfig.from_env({"FSDP_MEM_OTEL_DETAIL_TOP_K": "0"})
+
+
+def test_command_line_types_name_what_they_accept() -> None:
+    import argparse
+
+    from fsdp_mem_otel.checks import int_at_least, seconds_above_zero
+
+    port = int_at_least(0, 65535, "a port in 0..65535")
+    assert port("8080") == 8080
+    with pytest.raises(argparse.ArgumentTypeError, match=r"expected a port in 0\.\.65535, got 70000"):
+        port("70000")
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a positive integer, got 'x'"):
+        int_at_least(1)("x")
+    with pytest.raises(argparse.ArgumentTypeError, match="expected an integer >= 0, got -1"):
+        int_at_least(0)("-1")
+    assert seconds_above_zero("0.5") == 0.5
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a positive number of seconds, got 0.0"):
+        seconds_above_zero("0")
