@@ -9,7 +9,8 @@ must stay cheap to import: nothing here forks or builds a model at import time.
 from __future__ import annotations
 
 import gc
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -108,3 +109,36 @@ def fsdp_fingerprint(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, 
     print_ids["dispatch_mode"] = repr(_get_current_dispatch_mode())
     print_ids["opt_hooks"] = [len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks)]
     return print_ids
+
+
+class UpstreamStep(NamedTuple):
+    light: dict[str, Any]  # our light tracker's StepReport.to_dict()
+    deep: dict[str, Any]  # our deep tracker's, the same step
+    upstream: Any  # upstream's FSDPMemTracker, after the step
+    errors: int  # our trackers' errors_total
+    module_keys: list[str]  # our module keys
+
+
+def step_under_upstream(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                        step: Callable[[], Any]) -> UpstreamStep:
+    """``step()`` once under upstream FSDPMemTracker with our deep and light trackers attached
+    inside its context (our hooks run first, our windows enclose upstream's): the three see the
+    very same step."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from fsdp_mem_otel.tracker import FSDPMemoryTracker
+
+    settle()
+    upstream = FSDPMemTracker(model, opt)
+    upstream.track_inputs((x,))
+    with upstream:
+        deep = FSDPMemoryTracker(model, opt, mode="deep").attach()
+        light = FSDPMemoryTracker(model, opt, mode="light").attach()
+        deep.track_inputs(x)
+        light.track_inputs(x)
+        step()
+        light_report, deep_report = light.step().to_dict(), deep.step().to_dict()
+        light.detach()
+        deep.detach()
+    return UpstreamStep(light_report, deep_report, upstream, light.errors_total + deep.errors_total,
+                        light.module_keys)

@@ -15,7 +15,16 @@ from fsdp_mem_otel.demo import Block, BlockModel, make_batch
 from fsdp_mem_otel.schema import CATEGORY_KEYS, TOTAL
 from fsdp_mem_otel.tracker import FSDPMemoryTracker
 from tests.dist import run_ranks
-from tests.oracles import BATCH, BLOCKS, WIDTH, grad_bytes, settle, sharded_param_bytes, upstream_snapshot
+from tests.oracles import (
+    BATCH,
+    BLOCKS,
+    WIDTH,
+    grad_bytes,
+    settle,
+    sharded_param_bytes,
+    step_under_upstream,
+    upstream_snapshot,
+)
 
 
 def _fsdp2_groups(model: nn.Module) -> list[Any]:
@@ -193,7 +202,6 @@ class HSDPResult:
 
 
 def hsdp_one_rank_shards() -> HSDPResult:
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -213,20 +221,8 @@ def hsdp_one_rank_shards() -> HSDPResult:
         opt.step()
 
     step()
-    settle()
-    upstream = FSDPMemTracker(model, opt)
-    upstream.track_inputs((x,))
-    with upstream:
-        deep = FSDPMemoryTracker(model, opt, mode="deep").attach()
-        light = FSDPMemoryTracker(model, opt, mode="light").attach()
-        deep.track_inputs(x)
-        light.track_inputs(x)
-        step()
-        light_report, deep_report = light.step().to_dict(), deep.step().to_dict()
-        light.detach()
-        deep.detach()
-    return HSDPResult(light_report, deep_report, upstream_snapshot(upstream.get_tracker_snapshot("peak")),
-                      light.errors_total + deep.errors_total)
+    got = step_under_upstream(model, opt, x, step)
+    return HSDPResult(got.light, got.deep, upstream_snapshot(got.upstream.get_tracker_snapshot("peak")), got.errors)
 
 
 def test_hsdp_without_reduce_scatter_labels_no_reduce_scatter() -> None:
@@ -256,7 +252,6 @@ class GroupedResult:
 
 
 def grouped_modules() -> GroupedResult:
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.fsdp import fully_shard
 
     rank = torch.distributed.get_rank()
@@ -274,28 +269,16 @@ def grouped_modules() -> GroupedResult:
         opt.step()
 
     step()
-    settle()
-    upstream = FSDPMemTracker(model, opt)
-    upstream.track_inputs((x,))
-    with upstream:
-        deep = FSDPMemoryTracker(model, opt, mode="deep").attach()
-        light = FSDPMemoryTracker(model, opt, mode="light").attach()
-        deep.track_inputs(x)
-        light.track_inputs(x)
-        step()
-        light_report, deep_report = light.step().to_dict(), deep.step().to_dict()
-        light.detach()
-        deep.detach()
+    got = step_under_upstream(model, opt, x, step)
     peaks = {}
-    for stats in upstream.memory_tracking.values():
+    for stats in got.upstream.memory_tracking.values():
         if hasattr(stats, "snapshots"):
             key = stats.mod_fqn.split(".", 1)[1] if "." in stats.mod_fqn else "<root>"
             calls = [s for state, s in stats.snapshots.items() if state.value == "Peak Backward"]
             if calls:
                 peaks[key] = upstream_snapshot(calls[0][0])
-    total = upstream_snapshot(upstream.get_tracker_snapshot("peak"))["cpu"][TOTAL]
-    return GroupedResult(light.module_keys, light_report, deep_report, peaks, total,
-                         light.errors_total + deep.errors_total)
+    total = upstream_snapshot(got.upstream.get_tracker_snapshot("peak"))["cpu"][TOTAL]
+    return GroupedResult(got.module_keys, got.light, got.deep, peaks, total, got.errors)
 
 
 def test_modules_sharing_a_group_get_their_own_backward_peaks() -> None:

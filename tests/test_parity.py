@@ -17,9 +17,8 @@ import torch
 
 from fsdp_mem_otel.demo import WrapOptions, build, make_batch, train_step
 from fsdp_mem_otel.schema import CATEGORY_KEYS, TOTAL
-from fsdp_mem_otel.tracker import FSDPMemoryTracker
 from tests.dist import run_ranks
-from tests.oracles import BATCH, BLOCKS, WIDTH, settle, upstream_snapshot
+from tests.oracles import BATCH, BLOCKS, WIDTH, step_under_upstream, upstream_snapshot
 from tests.test_tracking import _compare_light_to_deep
 
 
@@ -46,22 +45,9 @@ def parity_with_upstream(opts_dict: dict[str, Any]) -> list[ParityResult]:
 
 
 def _one_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> ParityResult:
-    """One step under upstream's tracker and ours (attached inside upstream's context, so our
-    hooks run first and our windows enclose upstream's): the three see the very same step."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-    settle()
-    upstream = FSDPMemTracker(model, opt)
-    upstream.track_inputs((x,))
-    with upstream:
-        deep = FSDPMemoryTracker(model, opt, mode="deep").attach()
-        light = FSDPMemoryTracker(model, opt, mode="light").attach()
-        deep.track_inputs(x)
-        light.track_inputs(x)
-        train_step(model, opt, x)
-        light_report, deep_report = light.step().to_dict(), deep.step().to_dict()
-        light.detach()
-        deep.detach()
+    """One step under upstream's tracker and ours, the very same step."""
+    light_report, deep_report, upstream, errors, _ = step_under_upstream(model, opt, x,
+                                                                          lambda: train_step(model, opt, x))
     up_modules = {}
     for stats in upstream.memory_tracking.values():
         if not hasattr(stats, "snapshots"):
@@ -75,7 +61,7 @@ def _one_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tenso
         light=light_report,
         upstream_peak=upstream_snapshot(upstream.get_tracker_snapshot("peak")),
         upstream_modules=up_modules,
-        errors=deep.errors_total + light.errors_total,
+        errors=errors,
     )
 
 

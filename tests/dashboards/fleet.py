@@ -50,6 +50,7 @@ from fsdp_mem_otel.identity import Identity
 from fsdp_mem_otel.schema import CATEGORY_KEYS, STATES, ModuleReport, StepReport
 from fsdp_mem_otel.serve import SidecarCollector
 from tests.dashboards.test_dashboards import substitute, targets, variables
+from tests.dashboards.test_live_prometheus import _wait_ready
 from tests.dist import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -183,20 +184,7 @@ def prometheus(pages: dict[str, bytes], page_port: int, workdir: Path, interval:
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                log_text = (workdir / "prometheus.log").read_text()
-                raise RuntimeError(f"prometheus exited with {proc.returncode}: {log_text}")
-            try:
-                with urllib.request.urlopen(f"{base}/-/ready", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("prometheus did not become ready")
-            time.sleep(0.2)
+        _wait_ready(base, proc, timeout=60)
         yield base
     finally:
         proc.terminate()
