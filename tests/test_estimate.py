@@ -6,9 +6,10 @@ configuration with real tensors. At world sizes that cannot run here, the oracle
 numel x element size / world size with FSDP2's padding of dim 0.
 
 A real gloo run's peaks move from step to step: gloo frees a reduce-scatter's staging copy on
-its own thread, sometimes after the next op (seen: one step in five up to 9% higher on one
-module, 3.7% on the step peak). The estimate frees it on time, so the oracle of each figure is
-its median over MEASURED_STEPS real steps after the warm-up.
+its own thread, sometimes after the next op, which only ever adds memory (seen: one step in five
+up to 9% higher on one module and 3.7% on the step peak on an idle machine, three in five on a
+loaded one). The estimate frees it on time. So the oracle of each figure is the smallest of
+MEASURED_STEPS real steps after the warm-up, the one the late free disturbed least.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from statistics import median
 from typing import Any
 
 import pytest
@@ -101,11 +101,11 @@ def test_estimate_matches_the_real_run_within_two_percent(name: str, measured: d
     reals, est = measured[name], estimate(CONFIGS[name])
     assert (est.step, est.mode, est.world_size) == (reals[0].step, "deep", 2)
     assert est.module_order == reals[0].module_order
-    assert est.peak_total() == pytest.approx(median(r.peak_total() for r in reals), rel=TOLERANCE), name
-    for key in est.module_order:
-        for state in (PEAK_FORWARD, PEAK_BACKWARD):
-            got, want = _module_peak(est, key, state), median(_module_peak(r, key, state) for r in reals)
-            assert got == pytest.approx(want, rel=TOLERANCE), (name, key, state, got, want)
+    figures = [("step peak", est.peak_total(), [r.peak_total() for r in reals])]
+    figures += [(f"{key} {state}", _module_peak(est, key, state), [_module_peak(r, key, state) for r in reals])
+                for key in est.module_order for state in (PEAK_FORWARD, PEAK_BACKWARD)]
+    for what, got, real in figures:
+        assert got == pytest.approx(min(real), rel=TOLERANCE), (name, what, got, real)
 
 
 def _padded_shard_bytes(model: torch.nn.Module, world: int, itemsize: int = 4) -> int:
@@ -187,10 +187,10 @@ def test_cli_writes_an_estimate_that_compare_reads(tmp_path: Path, measured: dic
     assert "sharded_param" in done.stdout and "layers.3" in done.stdout and "CUDA context" in done.stdout
     assert "estimating world size 4" in done.stderr  # progress on long work
     (written,) = [StepReport.from_dict(json.loads(x)) for x in out.read_text().splitlines()]
-    assert written.peak_total() == pytest.approx(median(r.peak_total() for r in measured["demo"]), rel=TOLERANCE)
+    assert written.peak_total() == pytest.approx(min(r.peak_total() for r in measured["demo"]), rel=TOLERANCE)
     real = tmp_path / "real.jsonl"
-    typical = sorted(measured["demo"], key=StepReport.peak_total)[MEASURED_STEPS // 2]  # the median step
-    real.write_text(json.dumps(typical.to_dict()) + "\n")
+    least_disturbed = min(measured["demo"], key=StepReport.peak_total)
+    real.write_text(json.dumps(least_disturbed.to_dict()) + "\n")
     c = compare_runs(str(out), str(real))
     assert {d.name for d in c.categories} >= {"sharded_param", TOTAL}
     assert abs(next(d for d in c.categories if d.name == TOTAL).delta) <= TOLERANCE * written.peak_total()
