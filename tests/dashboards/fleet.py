@@ -28,8 +28,6 @@ from __future__ import annotations
 import http.server
 import json
 import re
-import shutil
-import subprocess
 import tempfile
 import threading
 import time
@@ -50,8 +48,8 @@ from fsdp_mem_otel.identity import Identity
 from fsdp_mem_otel.schema import CATEGORY_KEYS, STATES, ModuleReport, StepReport
 from fsdp_mem_otel.serve import SidecarCollector
 from tests.dashboards.test_dashboards import substitute, targets, variables
-from tests.dashboards.test_live_prometheus import _wait_ready
 from tests.dist import free_ports
+from tests.prometheus_server import running_prometheus
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "fsdp-mem-otel.rules.yml"
@@ -161,9 +159,6 @@ def api(base: str, path: str, params: dict[str, Any] | list[tuple[str, str]], ti
 @contextmanager
 def prometheus(pages: dict[str, bytes], page_port: int, workdir: Path, interval: str) -> Iterator[str]:
     """A Prometheus scraping every page every ``interval`` with the shipped rules; yields its URL."""
-    binary = shutil.which("prometheus")
-    if binary is None:
-        raise RuntimeError("the fleet check needs the Prometheus server (Debian package prometheus)")
     port = free_ports()
     config = {
         "global": {"scrape_interval": interval, "scrape_timeout": interval, "evaluation_interval": interval},
@@ -176,24 +171,9 @@ def prometheus(pages: dict[str, bytes], page_port: int, workdir: Path, interval:
         }],
     }
     (workdir / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
-    log = (workdir / "prometheus.log").open("wb")
-    proc = subprocess.Popen(
-        [binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(base, proc, timeout=60)
+    with running_prometheus(workdir / "prometheus.log", port, f"--config.file={workdir / 'prometheus.yml'}",
+                            f"--storage.tsdb.path={workdir / 'data'}", ready_timeout=60) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def wait_for_samples(base: str, pages: int, rounds: int, timeout: float) -> None:

@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import subprocess
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -44,6 +41,7 @@ from tests.dashboards.test_dashboards import (
 )
 from tests.dist import free_ports, run_ranks
 from tests.exporters.test_prometheus import small_report
+from tests.prometheus_server import running_prometheus
 
 STEPS = 30
 STEP_SLEEP = 0.5
@@ -85,25 +83,8 @@ def _api(base: str, path: str, params: dict[str, Any] | list[tuple[str, str]]) -
     return body["data"]
 
 
-def _wait_ready(base: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"prometheus exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{base}/-/ready", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("prometheus did not become ready")
-
-
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    prometheus = shutil.which("prometheus")
-    assert prometheus is not None, "the live dashboard test needs the Prometheus server (Debian package prometheus)"
     tmp = tmp_path_factory.mktemp("dash_live")
     rank_base, sidecar_port, prom_port, gpu_base = free_ports(2), free_ports(1), free_ports(1), free_ports(2)
     assert len({rank_base, rank_base + 1, sidecar_port, prom_port, gpu_base, gpu_base + 1}) == 6
@@ -118,30 +99,17 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         ],
     }
     (tmp / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
-    log = (tmp / "prometheus.log").open("wb")
-    proc = subprocess.Popen(
-        [prometheus, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
-         f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{prom_port}"
-    gpu: list[PrometheusExporter] = []
-    try:
-        gpu = _gpu_exporters(gpu_base)
-        _wait_ready(base, proc)
-        ranks = run_ranks(live_workers.train_for_prometheus, rank_base, str(tmp / "sidecar"), sidecar_port, STEPS,
-                          STEP_SLEEP, SETTLE, timeout=180)
-        yield {"base": base, "ranks": ranks}
-    finally:
-        for exp in gpu:
-            exp.shutdown()
-        proc.terminate()
+    with running_prometheus(tmp / "prometheus.log", prom_port, f"--config.file={tmp / 'prometheus.yml'}",
+                            f"--storage.tsdb.path={tmp / 'data'}") as base:
+        gpu: list[PrometheusExporter] = []
         try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            gpu = _gpu_exporters(gpu_base)
+            ranks = run_ranks(live_workers.train_for_prometheus, rank_base, str(tmp / "sidecar"), sidecar_port,
+                              STEPS, STEP_SLEEP, SETTLE, timeout=180)
+            yield {"base": base, "ranks": ranks}
+        finally:
+            for exp in gpu:
+                exp.shutdown()
 
 
 def _values(live: dict[str, Any], gpu: bool = False) -> dict[str, list[str]]:

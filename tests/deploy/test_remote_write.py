@@ -7,9 +7,8 @@ The configurations are deploy/remote-write/{agent,central}.yml with the addresse
 
 from __future__ import annotations
 
+import contextlib
 import json
-import shutil
-import subprocess
 import time
 import urllib.parse
 import urllib.request
@@ -24,9 +23,9 @@ from fsdp_mem_otel.alerts import REC_JOB_MODULE_PEAK, REC_JOB_PEAK_MAX, REC_JOB_
 from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
 from fsdp_mem_otel.identity import Identity
 from fsdp_mem_otel.schema import StepReport
-from tests.dashboards.test_live_prometheus import _wait_ready
 from tests.dist import free_ports
 from tests.exporters.test_prometheus import small_report
+from tests.prometheus_server import running_prometheus
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "deploy" / "remote-write"
@@ -49,14 +48,6 @@ def _api(base: str, query: str) -> list[dict[str, Any]]:
     return list(body["data"]["result"])
 
 
-def _start(args: list[str], log: Path, base: str) -> subprocess.Popen[bytes]:
-    prometheus = shutil.which("prometheus")
-    assert prometheus is not None, "needs the Prometheus server (Debian package prometheus)"
-    proc = subprocess.Popen([prometheus, *args, "--log.level=warn"], stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    _wait_ready(base, proc)
-    return proc
-
-
 @pytest.fixture(scope="module")
 def central(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("remote_write")
@@ -76,30 +67,20 @@ def central(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     agent_conf["remote_write"][0]["url"] = f"http://127.0.0.1:{central_port}/api/v1/write"
     (tmp / "agent.yml").write_text(yaml.safe_dump(agent_conf))
 
-    central_base = f"http://127.0.0.1:{central_port}"
-    procs = []
-    try:
-        procs.append(_start(["--web.enable-remote-write-receiver", f"--config.file={tmp / 'central.yml'}",
-                             f"--storage.tsdb.path={tmp / 'central-data'}",
-                             f"--web.listen-address=127.0.0.1:{central_port}"], tmp / "central.log", central_base))
-        procs.append(_start(["--enable-feature=agent", f"--config.file={tmp / 'agent.yml'}",
-                             f"--storage.agent.path={tmp / 'agent-data'}",
-                             f"--web.listen-address=127.0.0.1:{agent_port}"], tmp / "agent.log",
-                            f"http://127.0.0.1:{agent_port}"))
+    with contextlib.ExitStack() as stack:
+        stack.callback(exporter.shutdown)
+        central_base = stack.enter_context(running_prometheus(
+            tmp / "central.log", central_port, "--web.enable-remote-write-receiver",
+            f"--config.file={tmp / 'central.yml'}", f"--storage.tsdb.path={tmp / 'central-data'}"))
+        stack.enter_context(running_prometheus(
+            tmp / "agent.log", agent_port, "--enable-feature=agent", f"--config.file={tmp / 'agent.yml'}",
+            f"--storage.agent.path={tmp / 'agent-data'}"))
         deadline = time.monotonic() + 60
         while not _api(central_base, REC_JOB_MODULE_PEAK):  # written, then recorded centrally
             assert time.monotonic() < deadline, (tmp / "agent.log").read_text() + (tmp / "central.log").read_text()
             time.sleep(0.5)
         time.sleep(4)  # some history: the regression panels compare with $baseline (1s) earlier
         yield central_base
-    finally:
-        for proc in procs:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        exporter.shutdown()
 
 
 def test_the_agent_keeps_nothing_queryable_and_the_central_has_the_rank(central: str) -> None:
