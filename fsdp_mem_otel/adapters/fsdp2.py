@@ -42,8 +42,9 @@ What FSDP tells us, by category (exact in light mode):
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -353,7 +354,7 @@ class _SharedGroupWindows:
     first gradient of its outputs and ends when it has computed the gradients of its inputs
     (hooks on the tensors as the member received and returned them, outside FSDP's own). Members'
     backward windows may overlap without nesting; any still open end with the group's
-    post-backward.
+    post-backward. No hook holds a tensor: see ``_when_all_grads``.
     """
 
     def __init__(self, sink: EventSink) -> None:
@@ -366,19 +367,23 @@ class _SharedGroupWindows:
             return  # a checkpoint recompute
         self._calls += 1
         call = self._calls
-        self._register(inputs, "all", lambda: self._end(call))
+        needing_grad = [t for t in iter_tensors(inputs) if t.requires_grad]
+        if needing_grad:
+            _when_all_grads(needing_grad, self._guarded(lambda: self._end(call)))
 
     def outputs(self, key: str, outputs: object) -> None:
         if torch._C._current_graph_task_id() != -1:
             return
         call = self._calls
-        self._register(outputs, "any", lambda: self._begin(call, key))
-
-    def _register(self, tensors: object, mode: Literal["all", "any"], fn: Callable[[], None]) -> None:
-        needing_grad = [t for t in iter_tensors(tensors) if t.requires_grad]
+        needing_grad = [t for t in iter_tensors(outputs) if t.requires_grad]
         if needing_grad:
-            hook = dynamo_safe(lambda _grads: _guarded(self._sink, fn))
-            torch.autograd.graph.register_multi_grad_hook(needing_grad, hook, mode=mode)
+            # mode="any" keeps no tensor: its hook holds only ours
+            hook = self._guarded(lambda: self._begin(call, key))
+            torch.autograd.graph.register_multi_grad_hook(needing_grad, lambda _grad: hook(), mode="any")
+
+    def _guarded(self, fn: Callable[[], None]) -> Callable[[], None]:
+        sink = self._sink
+        return dynamo_safe(lambda: _guarded(sink, fn))
 
     def _begin(self, call: int, key: str) -> None:
         self._open[call] = key
@@ -393,6 +398,45 @@ class _SharedGroupWindows:
         for call in sorted(self._open, reverse=True):
             self._end(call)
         self._calls = 0
+
+
+def _when_all_grads(tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
+    """Call ``fn`` once per backward, when autograd has computed the gradients of all of
+    ``tensors`` that this backward computes: ``register_multi_grad_hook(mode="all")``, without
+    its strong references. torch's keeps each tensor's gradient node in the hook it stores on the
+    tensor; for a leaf that node is the gradient accumulator, which holds the leaf: a cycle
+    through C++ that ``gc`` cannot break, so every leaf input (a chunked loss's detached chunks)
+    would live for the rest of the run. Here the hook holds the tensors weakly and finds their
+    nodes when the backward reaches the first of them."""
+    refs = [weakref.ref(t) for t in tensors]
+    pending: dict[int, int] = {}  # graph task -> gradients still to come
+
+    def hook(_grad: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        left = pending.get(task)
+        if left is None:
+            left = sum(
+                1 for ref in refs
+                if (t := ref()) is not None and torch._C._will_engine_execute_node(_grad_node(t))
+            )
+        left -= 1
+        if left > 0:
+            pending[task] = left
+            return
+        pending.pop(task, None)
+        fn()
+
+    safe_hook = dynamo_safe(hook)
+    for t in tensors:
+        t.register_hook(safe_hook)
+
+
+def _grad_node(t: torch.Tensor) -> Any:
+    """The autograd node that receives ``t``'s gradient: its grad_fn, or a leaf's accumulator."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    with torch.enable_grad():
+        return t.view_as(t).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
 
 
 def _io_hook(sink: EventSink, key: str, state: str, index: int,
