@@ -266,6 +266,13 @@ DEEP_STEPS_SKIPPED_TOTAL = Metric(
     "Steps due to run deep that stayed light (reason=compiled: the model runs code compiled by torch.compile).",
     ("reason",), source="deep_skipped",
 )
+SETUP_WARNING = Metric(
+    "fsdp_mem_setup_warning", GAUGE, "",
+    "1 while the tracker has found this problem with what it measures, else 0: kind=optimizer_no_state (the "
+    "optimizer stepped with gradients present and holds no state, so optimizer_state reads 0), "
+    "kind=nothing_sharded (a multi-rank job whose FSDP shard groups all have one rank).",
+    ("kind",), source="warnings",
+)
 LAST_OOM_TIMESTAMP_SECONDS = Metric(
     "fsdp_mem_last_oom_timestamp_seconds", GAUGE, SECONDS,
     "Unix time of the last out-of-memory step, labelled with the FSDP module and state that were active.",
@@ -362,6 +369,7 @@ METRICS: tuple[Metric, ...] = (
     TRACKER_INFO,
     ABORTED_STEPS_TOTAL,
     DEEP_STEPS_SKIPPED_TOTAL,
+    SETUP_WARNING,
     LAST_OOM_TIMESTAMP_SECONDS,
     LAST_OOM_BYTES,
     LAST_OOM_OUTSIDE_PYTORCH_BYTES,

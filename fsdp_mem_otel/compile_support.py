@@ -32,6 +32,7 @@ _HOOK_MODULES = (
     "fsdp_mem_otel.deep",
     "fsdp_mem_otel.integrations._session",
     "fsdp_mem_otel.ledger",
+    "fsdp_mem_otel.optimizers",
     "fsdp_mem_otel.schema",
     "fsdp_mem_otel.recorder",
     "fsdp_mem_otel.tracker",
@@ -80,6 +81,19 @@ def compiled_regions(model: nn.Module) -> list[str]:
         ):
             found.append(path)
     return found
+
+
+def called_from_compiled_code() -> bool:
+    """Whether code that ``torch.compile`` compiled is running further up this thread's stack (an
+    outer ``torch.compile(model)``, a compiled training step): dynamo's frame callback is set
+    only while such code runs."""
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+        return get_eval_frame_callback() is not None
+    except Exception:  # noqa: BLE001 - a torch without it: unknown, so assume compiled
+        logger.debug("fsdp_mem_otel: dynamo's frame callback unavailable", exc_info=True)
+        return True
 
 
 def force_eager() -> Callable[[], None]:

@@ -98,6 +98,13 @@ ROOT_KEY = "<root>"
 DEEP_SKIPPED_COMPILED = "compiled"
 DEEP_SKIP_REASONS: tuple[str, ...] = (DEEP_SKIPPED_COMPILED,)
 
+#: StepReport.warnings: conditions under which a figure means less than it seems (each logged once)
+#: the optimizer stepped with gradients present and holds no state: optimizer_state reads 0
+WARNING_OPTIMIZER_NO_STATE = "optimizer_no_state"
+#: a multi-rank job whose FSDP shard groups all have one rank: nothing is sharded
+WARNING_NOTHING_SHARDED = "nothing_sharded"
+WARNINGS: tuple[str, ...] = (WARNING_OPTIMIZER_NO_STATE, WARNING_NOTHING_SHARDED)
+
 #: device ("cpu", "cuda:0") -> category key -> bytes
 DeviceBreakdown = dict[str, dict[str, int]]
 
@@ -191,6 +198,8 @@ class StepReport:
     aborted: StepAbort | None = None
     #: why a step due to run deep stayed light ("compiled": the model runs torch.compile'd code)
     deep_skipped: str | None = None
+    #: what the tracker found wrong with the setup it measures (``WARNINGS``), in that order
+    warnings: list[str] = field(default_factory=list)
     #: in a JSONL file: this line was written without module snapshots (the JSONL budget), and
     #: ``modules`` are those of this earlier step, which readers fill in; None: its own
     modules_from: int | None = None
@@ -216,6 +225,7 @@ class StepReport:
             "end_time_ns": self.end_time_ns,
             "aborted": None if self.aborted is None else self.aborted.to_dict(),
             "deep_skipped": self.deep_skipped,
+            "warnings": list(self.warnings),
             **({} if self.modules_from is None else {"modules_from": self.modules_from}),
         }
 
@@ -261,6 +271,7 @@ class StepReport:
             end_time_ns=int(data.get("end_time_ns", 0)),
             aborted=None if data.get("aborted") is None else StepAbort.from_dict(data["aborted"]),
             deep_skipped=None if data.get("deep_skipped") is None else str(data["deep_skipped"]),
+            warnings=[str(w) for w in data.get("warnings", [])],
             modules_from=None if data.get("modules_from") is None else int(data["modules_from"]),
         )
 

@@ -8,7 +8,6 @@ import os
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -26,12 +25,18 @@ from fsdp_mem_otel.activations import SavedTensorAccounting
 from fsdp_mem_otel.adapters import make_adapter
 from fsdp_mem_otel.adapters.base import iter_tensors
 from fsdp_mem_otel.allocator import AllocatorProbe
-from fsdp_mem_otel.compile_support import compiled_regions, force_eager, keep_out_of_dynamo
+from fsdp_mem_otel.compile_support import (
+    called_from_compiled_code,
+    compiled_regions,
+    force_eager,
+    keep_out_of_dynamo,
+)
 from fsdp_mem_otel.config import TrackerConfig
 from fsdp_mem_otel.deep import RESIZE_WATCH, DeepMode
 from fsdp_mem_otel.exporters import Exporter
 from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.ledger import Ledger
+from fsdp_mem_otel.optimizers import OptimizerWatch, unwrap_optimizers
 from fsdp_mem_otel.recorder import StepContext, StepRecorder
 from fsdp_mem_otel.schema import (
     ACTIVATION,
@@ -43,7 +48,8 @@ from fsdp_mem_otel.schema import (
     FORWARD_STATES,
     INPUTS,
     LIGHT,
-    OPTIMIZER_STATE,
+    WARNING_NOTHING_SHARDED,
+    WARNING_OPTIMIZER_NO_STATE,
     StepAbort,
     StepReport,
 )
@@ -61,7 +67,9 @@ class FSDPMemoryTracker:
             possibly inside wrappers (torch.compile, Lightning Fabric, DDP-style ``module``).
         optimizer: its optimizer, to account optimizer state (optional). Wrappers holding the
             torch optimizer as ``.optimizer`` or ``._optimizer`` (accelerate's
-            ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) are unwrapped.
+            ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) are unwrapped, and
+            containers holding several as ``.optimizers`` (torchtitan's ``OptimizersContainer``)
+            are tracked through each of them.
         mode: "light" (default: no per-op cost) or "deep" (every op accounted).
         deep_every: with mode="light", run every Nth step deep (0 = never).
         config: a full TrackerConfig instead of mode/deep_every.
@@ -88,7 +96,7 @@ class FSDPMemoryTracker:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module wrapped with FSDP; got {type(model).__name__}")
-        optimizer = unwrap_optimizer(optimizer)
+        optimizers = unwrap_optimizers(optimizer)
         if config is not None and not isinstance(config, TrackerConfig):
             raise TypeError(f"config must be a TrackerConfig or None; got {type(config).__name__}")
         overrides = {k: v for k, v in (("mode", mode), ("deep_every", deep_every)) if v is not None}
@@ -102,17 +110,17 @@ class FSDPMemoryTracker:
         self.exporters = list(exporters)
         self.config = config
         self.model = model
-        self.optimizer = optimizer
         self.ledger = Ledger()
         self.context = StepContext()
         self.recorder = StepRecorder(self.ledger, self.context)
+        self._optimizers = OptimizerWatch(optimizers, self.ledger, self.context, self.report_error)
         keep_out_of_dynamo()
         self._adapter = make_adapter(model, self)
         self._probe = AllocatorProbe(reset_peaks=config.reset_peaks)
         self._activations = SavedTensorAccounting(self.ledger, self.report_error)
         self._recompute_activations = SavedTensorAccounting(self.ledger, self.report_error)
-        if optimizer is not None:
-            _check_optimizer_covers_model(optimizer, model)
+        if optimizers:
+            _check_optimizer_covers_model(self._optimizers.params(), model)
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.local_rank = int(os.environ.get(env.LOCAL_RANK, self.rank))
@@ -126,11 +134,12 @@ class FSDPMemoryTracker:
         self.attached = False
         self.disabled = False
         self._owner_thread: int | None = None
-        self._opt_handles: list[Any] = []
-        self._opt_tensors: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._nothing_sharded = False
         self._deep_mode: DeepMode | None = None
         self._restore_stance: Any = None
         self._step_mode = LIGHT
+        self._deep_pending = False  # a deep step whose deep mode starts at its first FSDP forward
+        self._called_from_compiled = False  # an FSDP forward ran under a compiled caller
         self._deep_skipped: str | None = None
         self._abort: StepAbort | None = None
         self._forward_depth = 0  # nesting of FSDP forwards now running (outside backward)
@@ -174,18 +183,22 @@ class FSDPMemoryTracker:
         self._adapter.attach()
         for t, category in self._adapter.persistent_tensors():
             self.ledger.track(t, category)
-        if self.optimizer is not None:
-            self._track_optimizer_state()
-            self._opt_handles.append(self.optimizer.register_step_pre_hook(self._on_optimizer_pre))
-            self._opt_handles.append(self.optimizer.register_step_post_hook(self._on_optimizer_post))
+        self._optimizers.attach()
+        self._check_sharding()
         self.ledger.reset_step()
         self._probe.start()
 
     def _uninstall(self) -> None:
-        for h in self._opt_handles:
-            h.remove()
-        self._opt_handles = []
+        self._optimizers.detach()
         self._adapter.detach()
+
+    def _check_sharding(self) -> None:
+        if self.world_size > 1 and self._adapter.shards_nothing() and not self._nothing_sharded:
+            self._nothing_sharded = True
+            logger.warning(
+                "fsdp_mem_otel: the model's FSDP shards nothing: every shard group has one rank in a job of %d "
+                "ranks, so each rank holds the whole model (check the mesh given to FSDP; Lightning's "
+                "ModelParallelStrategy needs data_parallel_size)", self.world_size)
 
     def detach(self) -> None:
         """Remove every hook and patch; accounting stops. Safe to call twice."""
@@ -216,6 +229,26 @@ class FSDPMemoryTracker:
     @property
     def fsdp_version(self) -> int:
         return self._adapter.fsdp_version
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers whose state is accounted (unwrapped from what was passed)."""
+        return self._optimizers.optimizers
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The first of ``optimizers`` (the only one, unless a container was passed), or None."""
+        return self._optimizers.optimizers[0] if self._optimizers.optimizers else None
+
+    @property
+    def warnings(self) -> list[str]:
+        """What is wrong with the setup being measured (``schema.WARNINGS``), as in each report."""
+        found = []
+        if self._optimizers.no_state:
+            found.append(WARNING_OPTIMIZER_NO_STATE)
+        if self._nothing_sharded:
+            found.append(WARNING_NOTHING_SHARDED)
+        return found
 
     def step(self) -> StepReport:
         """Close the current step: return its report and start the next one.
@@ -257,6 +290,8 @@ class FSDPMemoryTracker:
                     "IncompleteStep", "step() called while a forward or backward pass was still open", False
                 )
             report.aborted = self._abort
+            self._optimizers.step_end()
+            report.warnings = self.warnings
             self.recorder.close_open_windows()
             report.peak = self.ledger.step_peak()
             report.current = self.ledger.snapshot()
@@ -355,27 +390,49 @@ class FSDPMemoryTracker:
 
     def _begin_step(self) -> None:
         step = self.steps_completed + 1
-        deep = self.config.is_deep(step) and not self.disabled
-        if deep and self.config.deep_when_compiled == "skip" and self._runs_compiled_code():
-            deep = False
-            self._deep_skipped = DEEP_SKIPPED_COMPILED
-            self.deep_skipped_total[DEEP_SKIPPED_COMPILED] = self.deep_skipped_total.get(DEEP_SKIPPED_COMPILED, 0) + 1
-            if self.deep_skipped_total[DEEP_SKIPPED_COMPILED] == 1:
-                logger.warning(
-                    "fsdp_mem_otel: deep steps stay light on this model: it runs torch.compile'd code, which a "
-                    "deep step would run eagerly (set deep_when_compiled='eager' / FSDP_MEM_OTEL_DEEP_WHEN_COMPILED"
-                    "=eager to measure such steps eagerly)"
-                )
-        self._step_mode = DEEP if deep else LIGHT
-        if deep:
-            self._enter_deep()
+        self._step_mode = LIGHT
+        self._deep_pending = False
+        if not self.config.is_deep(step) or self.disabled:
+            return
+        if self._runs_compiled_code():
+            if self.config.deep_when_compiled == "skip":
+                self._skip_deep()
+                return
+            self._enter_deep()  # deep_when_compiled="eager": the whole step runs eagerly
+            return
+        # Deep mode starts at the step's first FSDP forward, where a compiled caller (an outer
+        # torch.compile(model), a compiled training step) shows: entered before it, the dispatch
+        # mode would make dynamo run that caller eagerly, changing the run.
+        self._deep_pending = True
+
+    def _skip_deep(self) -> None:
+        self._step_mode = LIGHT
+        self._deep_skipped = DEEP_SKIPPED_COMPILED
+        self.deep_skipped_total[DEEP_SKIPPED_COMPILED] = self.deep_skipped_total.get(DEEP_SKIPPED_COMPILED, 0) + 1
+        if self.deep_skipped_total[DEEP_SKIPPED_COMPILED] == 1:
+            logger.warning(
+                "fsdp_mem_otel: deep steps stay light on this model: it runs torch.compile'd code, which a "
+                "deep step would run eagerly (set deep_when_compiled='eager' / FSDP_MEM_OTEL_DEEP_WHEN_COMPILED"
+                "=eager to measure such steps eagerly)"
+            )
 
     def _runs_compiled_code(self) -> bool:
+        if self._called_from_compiled:
+            return True
         try:
             return bool(compiled_regions(self.model))
         except Exception as exc:  # noqa: BLE001
             self.report_error(exc)
             return True  # unsure: do not risk running compiled code eagerly
+
+    def _start_pending_deep(self) -> None:
+        """The step's first FSDP forward of a deep step: go deep, unless compiled code called it."""
+        self._deep_pending = False
+        if called_from_compiled_code():
+            self._called_from_compiled = True
+            self._skip_deep()
+        else:
+            self._enter_deep()
 
     def _enter_deep(self) -> None:
         if self._deep_mode is not None:
@@ -387,6 +444,7 @@ class FSDPMemoryTracker:
             self._deep_mode.__enter__()
             RESIZE_WATCH.add(self.ledger)
             self.ledger.offer_on_add = False
+            self._step_mode = DEEP
         except Exception as exc:  # noqa: BLE001
             self._deep_mode = None
             self._restore_eager_stance()
@@ -503,6 +561,8 @@ class FSDPMemoryTracker:
 
     def _forward_begins(self) -> None:
         self._forward_depth += 1
+        if self._deep_pending:
+            self._start_pending_deep()
         if self._forward_depth == 1 and self._deep_mode is None and self.config.activations:
             self._activations.push()
 
@@ -568,77 +628,6 @@ class FSDPMemoryTracker:
             except Exception:  # noqa: BLE001
                 logger.exception("fsdp_mem_otel: detach after errors failed")
 
-    # -- optimizer -----------------------------------------------------------------------------
-    def _on_optimizer_pre(self, opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        self.context.in_optimizer = True
-        try:
-            # optimizer.step(closure): the closure's forward and backward are not optimizer work.
-            # ``args`` are step()'s own: the optimizer itself, then the closure if positional.
-            if kwargs.get("closure") is not None:
-                return args, {**kwargs, "closure": self._outside_optimizer(kwargs["closure"])}
-            first = 1 if args and args[0] is opt else 0
-            if len(args) > first and callable(args[first]):
-                return (*args[:first], self._outside_optimizer(args[first]), *args[first + 1:]), kwargs
-        except Exception as exc:  # noqa: BLE001
-            self.report_error(exc)
-        return None
-
-    def _outside_optimizer(self, closure: Any) -> Any:
-        context = self.context
-
-        def closure_outside_optimizer(*a: Any, **k: Any) -> Any:
-            context.in_optimizer = False
-            try:
-                return closure(*a, **k)
-            finally:
-                context.in_optimizer = True
-
-        return closure_outside_optimizer
-
-    def _on_optimizer_post(self, *_: Any) -> None:
-        self.context.in_optimizer = False
-        self._track_optimizer_state()
-
-    def _track_optimizer_state(self) -> None:
-        # Optimizer state tensors are created once and updated in place: only new ones (first
-        # step, load_state_dict) need the ledger; the rest is one dict lookup each.
-        if self.optimizer is None:
-            return
-        known = self._opt_tensors
-        try:
-            for state in self.optimizer.state.values():
-                for value in state.values():
-                    if isinstance(value, torch.Tensor):
-                        ref = known.get(id(value))
-                        if ref is None or ref() is not value:
-                            self.ledger.track(value, OPTIMIZER_STATE)
-                            known[id(value)] = weakref.ref(value)
-        except Exception as exc:  # noqa: BLE001
-            self.report_error(exc)
-
-
-def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
-    """The torch optimizer behind ``optimizer``: itself, or the one a wrapper holds as
-    ``.optimizer`` / ``._optimizer`` (accelerate's AcceleratedOptimizer, Lightning's
-    LightningOptimizer, possibly nested). TypeError when there is none."""
-    seen = 0
-    current = optimizer
-    while current is not None and seen < 8:
-        if isinstance(current, torch.optim.Optimizer) and "_optimizer_step_pre_hooks" in vars(current):
-            return current
-        inner = getattr(current, "optimizer", None)
-        if inner is None or inner is current:
-            inner = getattr(current, "_optimizer", None)
-        if inner is None or inner is current:
-            break
-        current, seen = inner, seen + 1
-    if optimizer is None:
-        return None
-    raise TypeError(
-        "optimizer must be a torch.optim.Optimizer (or a wrapper holding one as .optimizer, such as "
-        f"accelerate's AcceleratedOptimizer or Lightning's LightningOptimizer) or None; got {type(optimizer).__name__}"
-    )
-
 
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
@@ -651,9 +640,8 @@ def _origin(exc: BaseException) -> str:
     return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else "?"
 
 
-def _check_optimizer_covers_model(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+def _check_optimizer_covers_model(opt_params: list[torch.Tensor], model: nn.Module) -> None:
     model_params = {id(p) for p in model.parameters()}
-    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
     if opt_params and not any(id(p) in model_params for p in opt_params):
         raise ValueError(
             "optimizer does not optimize any parameter of model; pass the optimizer built from "

@@ -20,6 +20,10 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test]"
+# torchtitan's own classes for tests/test_torchtitan_harm.py (see the requirements files for why
+# without its declared dependencies)
+.venv/bin/python -m pip install -q --no-deps -r tests/requirements-torchtitan.txt
+.venv/bin/python -m pip install -q -r tests/requirements-torchtitan-deps.txt
 # .venv-torch2.14: the tracker's FSDP tests run a second time on torch 2.14.1 (a CUDA build that
 # also runs on CPU), the other end of the supported range; only what those tests import
 # (transformers: the light-activation tests train a Llama from config).

@@ -30,7 +30,12 @@ VARIANTS: dict[str, tuple[str, str, bool, str]] = {
     "block_wrapper": ("wrapper", "", False, "aot_eager"),
     "whole_model": ("", "wrapper", False, "aot_eager"),
     "whole_model_inplace": ("", "inplace", False, "aot_eager"),
+    # the tracker holds the inner model, which only a compiled caller runs (below)
+    "outer_model_inner_tracked": ("", "wrapper", False, "aot_eager"),
+    "compiled_forward_fn_inner_tracked": ("", "function", False, "aot_eager"),
 }
+#: variants whose tracker is given the inner model, not what the training calls
+INNER_TRACKED = ("outer_model_inner_tracked", "compiled_forward_fn_inner_tracked")
 
 
 @dataclass
@@ -64,10 +69,13 @@ def _build(variant: str) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
         top = torch.compile(model, backend=backend)  # type: ignore[assignment]
     elif whole == "inplace":
         model.compile(backend=backend)
+    elif whole == "function":  # a compiled function that calls the model, as a compiled training step does
+        top = torch.compile(lambda x: model(x), backend=backend)  # type: ignore[assignment]
     return top, model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
-def _train(variant: str, tracked: bool, deep_when_compiled: str = "skip") -> CompiledRun:
+def _train(variant: str, tracked: bool, deep_when_compiled: str = "skip", mode: str = "light",
+           deep_every: int = 2) -> CompiledRun:
     import torch._dynamo
     import torch._functorch.config
     import torch._inductor.config
@@ -85,8 +93,8 @@ def _train(variant: str, tracked: bool, deep_when_compiled: str = "skip") -> Com
     top, model, opt = _build(variant)
     tracker = None
     if tracked:
-        config = TrackerConfig(deep_every=2, deep_when_compiled=deep_when_compiled)
-        tracker = FSDPMemoryTracker(top, opt, config=config).attach()
+        config = TrackerConfig(mode=mode, deep_every=deep_every, deep_when_compiled=deep_when_compiled)
+        tracker = FSDPMemoryTracker(model if variant in INNER_TRACKED else top, opt, config=config).attach()
     losses, reports = [], []
     for step in range(STEPS):
         losses.append(train_step(top, opt, make_batch(step, BATCH, WIDTH, rank)))
@@ -133,8 +141,31 @@ def eager_deep_steps() -> CompiledRun:
     return _train("block_inplace_fullgraph", tracked=True, deep_when_compiled="eager")
 
 
+def outer_compiled_deep(variant: str) -> tuple[CompiledRun, CompiledRun, CompiledRun]:
+    """Rank body: the untracked run and the tracked ones in deep mode and with deep_every=2, the
+    tracker given the inner model while a compiled caller runs it."""
+    return (_train(variant, tracked=False), _train(variant, tracked=True, mode="deep", deep_every=0),
+            _train(variant, tracked=True))
+
+
+@pytest.mark.parametrize("variant", INNER_TRACKED)
+def test_deep_steps_leave_a_compiled_caller_unchanged(variant: str) -> None:
+    for untracked, deep, deep_every_2 in run_ranks(outer_compiled_deep, variant, timeout=600):
+        assert untracked.unique_graphs > 0
+        for tracked, due in ((deep, [True] * STEPS), (deep_every_2, [False, True] * 2)):
+            assert tracked.errors == 0
+            assert tracked.losses == untracked.losses  # bitwise: the compiled caller stayed compiled
+            assert tracked.params == untracked.params
+            assert tracked.dynamo_counters == untracked.dynamo_counters
+            # every step due to run deep stayed light, and says why
+            assert [r["mode"] for r in tracked.reports] == ["light"] * STEPS
+            assert [r["deep_skipped"] for r in tracked.reports] == [DEEP_SKIPPED_COMPILED if d else None for d in due]
+            assert all(r["modules"]["<root>"]["snapshots"]["peak_forward"] for r in tracked.reports)
+
+
 @pytest.mark.parametrize(
-    ("variant", "skip_list"), [(v, True) for v in VARIANTS] + [("block_inplace_fullgraph", False)]
+    ("variant", "skip_list"),
+    [(v, True) for v in VARIANTS if v not in INNER_TRACKED] + [("block_inplace_fullgraph", False)],
 )
 def test_light_and_deep_every_leave_compiled_training_unchanged(variant: str, skip_list: bool) -> None:
     for untracked, tracked in run_ranks(compiled_pair, variant, skip_list, timeout=600):

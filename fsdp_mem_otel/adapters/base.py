@@ -108,6 +108,9 @@ class Adapter(Protocol):
     def persistent_tensors(self) -> Iterator[tuple[torch.Tensor, str]]:
         """(tensor, category) for what outlives a step: sharded params and grads, buffers."""
 
+    def shards_nothing(self) -> bool:
+        """Every FSDP module's shard group has one rank (or no sharding strategy): nothing sharded."""
+
 
 def iter_tensors(obj: object) -> Iterable[torch.Tensor]:
     """Tensors inside nested lists, tuples and dicts (what FSDP hooks receive as args/outputs)."""

@@ -272,6 +272,11 @@ class FSDP1Adapter:
         for b in self._model.buffers():
             yield b, BUFFER
 
+    def shards_nothing(self) -> bool:
+        handles = [m._handle for m in self._keys if m._handle is not None]
+        return bool(handles) and all(
+            not h.uses_sharded_strategy or h.process_group.size() == 1 for h in handles)
+
     def _unmanaged_params(self) -> list[nn.Parameter]:
         """Parameters no FSDP module manages (those of ``ignored_modules``)."""
         managed: set[int] = set()

@@ -119,6 +119,10 @@ class FSDP2Adapter:
         for buf in self._model.buffers():
             yield buf, BUFFER
 
+    def shards_nothing(self) -> bool:
+        sizes = [group.mesh_info.shard_mesh_size for _, group in self._groups()]
+        return bool(sizes) and all(n == 1 for n in sizes)
+
     def _unmanaged_params(self, managed: set[int]) -> list[nn.Parameter]:
         return [p for p in self._model.parameters() if id(p) not in managed]
 

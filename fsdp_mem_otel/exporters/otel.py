@@ -68,6 +68,7 @@ fsdp.errors_total              step      tracker-internal errors so far
 fsdp.exporter.errors_total     step      this exporter's failures so far
 fsdp.tracker_overhead_seconds  step      time the tracker spent in this step
 fsdp.module_spans              step      whether this step's module spans were exported
+fsdp.warnings                  step      StepReport.warnings, when there are any (string array)
 fsdp.aborted.error             step      exception type name or "IncompleteStep" (status ERROR)
 fsdp.aborted.oom, .module,     step      where the step stopped (see model.StepAbort)
 .state
@@ -160,6 +161,7 @@ ATTR_ERRORS = "fsdp.errors_total"
 ATTR_EXPORTER_ERRORS = "fsdp.exporter.errors_total"
 ATTR_OVERHEAD = "fsdp.tracker_overhead_seconds"
 ATTR_MODULE_SPANS = "fsdp.module_spans"
+ATTR_WARNINGS = "fsdp.warnings"
 ATTR_ABORTED_ERROR = "fsdp.aborted.error"
 ATTR_ABORTED_OOM = "fsdp.aborted.oom"
 ATTR_ABORTED_MODULE = "fsdp.aborted.module"
@@ -566,6 +568,8 @@ class OTelSpanExporter:
             for cat, value in report.peak[main].items():
                 if cat in _PEAK_ATTRS:
                     attrs[_PEAK_ATTRS[cat]] = int(value)
+        if report.warnings:
+            attrs[ATTR_WARNINGS] = list(report.warnings)
         if report.aborted is not None:
             a = report.aborted
             attrs.update({ATTR_ABORTED_ERROR: a.error, ATTR_ABORTED_OOM: bool(a.oom), ATTR_ABORTED_MODULE: a.module,

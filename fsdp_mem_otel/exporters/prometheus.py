@@ -46,6 +46,7 @@ from fsdp_mem_otel.schema import (
     PEAK_FORWARD,
     STATES,
     TOTAL,
+    WARNINGS,
     StepAbort,
     StepReport,
 )
@@ -175,6 +176,8 @@ class StepReportCollector:
             skipped = dict(self._deep_skipped)
         add(cat.ABORTED_STEPS_TOTAL, [((kind,), float(n)) for kind, n in sorted(aborted.items())])
         add(cat.DEEP_STEPS_SKIPPED_TOTAL, [((reason,), float(n)) for reason, n in sorted(skipped.items())])
+        if report is not None:
+            add(cat.SETUP_WARNING, [((kind,), float(kind in report.warnings)) for kind in WARNINGS])
         if last_oom is not None:
             when, abort = last_oom
             add(cat.LAST_OOM_TIMESTAMP_SECONDS, [((abort.module, abort.state), float(when))])

@@ -188,6 +188,10 @@ fsdp_mem_aborted_steps_total{job_name="train",kind="oom",local_rank="1",namespac
 # HELP fsdp_mem_deep_steps_skipped_total Steps due to run deep that stayed light (reason=compiled: the model runs code compiled by torch.compile).
 # TYPE fsdp_mem_deep_steps_skipped_total counter
 fsdp_mem_deep_steps_skipped_total{job_name="train",local_rank="1",namespace="ml",pod="train-1",rank="1",reason="compiled",world_size="2"} 0.0
+# HELP fsdp_mem_setup_warning 1 while the tracker has found this problem with what it measures, else 0: kind=optimizer_no_state (the optimizer stepped with gradients present and holds no state, so optimizer_state reads 0), kind=nothing_sharded (a multi-rank job whose FSDP shard groups all have one rank).
+# TYPE fsdp_mem_setup_warning gauge
+fsdp_mem_setup_warning{job_name="train",kind="optimizer_no_state",local_rank="1",namespace="ml",pod="train-1",rank="1",world_size="2"} 0.0
+fsdp_mem_setup_warning{job_name="train",kind="nothing_sharded",local_rank="1",namespace="ml",pod="train-1",rank="1",world_size="2"} 0.0
 # HELP fsdp_mem_module_peak_bytes Peak total bytes during the module's forward or backward in the last step (max over calls and devices).
 # TYPE fsdp_mem_module_peak_bytes gauge
 fsdp_mem_module_peak_bytes{job_name="train",local_rank="1",module="<root>",namespace="ml",phase="forward",pod="train-1",rank="1",world_size="2"} 7000.0

@@ -28,6 +28,7 @@ class LightningRun:
     reports: list[dict[str, Any]]
     batches: int
     sharded_param_oracle: int
+    whole_model_bytes: int
     optimizer_state_oracle: int
     keys: list[str]
     errors: int
@@ -82,7 +83,10 @@ def lightning_training() -> LightningRun:
     callback = FSDPMemoryCallback(config=TrackerConfig(), exporters=[],
                                   on_report=lambda r: reports.append(r.to_dict()))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=ModelParallelStrategy(), accumulate_grad_batches=ACCUMULATION,
+        accelerator="cpu", devices=2, accumulate_grad_batches=ACCUMULATION,
+        # data_parallel_size: by default the strategy gives every device to tensor parallelism and
+        # the "data_parallel" mesh has one rank, so fully_shard on it would shard nothing
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
         max_steps=STEPS, callbacks=[CountBatches(), callback], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )
@@ -95,6 +99,7 @@ def lightning_training() -> LightningRun:
         reports=reports,
         batches=CountBatches.batches,
         sharded_param_oracle=_local_bytes(module.parameters()),
+        whole_model_bytes=_local_bytes(BlockModel(BLOCKS, WIDTH).parameters()),
         optimizer_state_oracle=_local_bytes(v for s in opt_state.values() for v in s.values()
                                             if isinstance(v, torch.Tensor)),
         keys=tracker.module_keys,
@@ -108,7 +113,9 @@ def test_lightning_callback_reports_once_per_optimizer_step() -> None:
         assert run.keys == ["<root>", "net.layers.0", "net.layers.1"]
         assert run.batches == STEPS * ACCUMULATION
         assert [r["step"] for r in run.reports] == list(range(1, STEPS + 1))  # one per optimizer step
+        assert run.sharded_param_oracle < 0.75 * run.whole_model_bytes  # sharded over both ranks
         for report in run.reports:
+            assert report["warnings"] == []
             end = report["current"]["cpu"]
             assert end["sharded_param"] == run.sharded_param_oracle
             assert end["optimizer_state"] == run.optimizer_state_oracle
