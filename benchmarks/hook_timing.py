@@ -52,8 +52,12 @@ def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def instrument() -> None:
     cls = tracker_module.FSDPMemoryTracker
-    for name in ("on_state", "_on_optimizer_pre", "_on_optimizer_post", "step"):
+    for name in ("on_state", "step"):
         setattr(cls, name, timed(name, getattr(cls, name)))
+    import fsdp_mem_otel.optimizers as optimizers
+
+    for name in ("_on_pre", "_on_post"):
+        setattr(optimizers.OptimizerWatch, name, timed("optimizer hooks", getattr(optimizers.OptimizerWatch, name)))
     import fsdp_mem_otel.activations as activations
 
     activations.SavedTensorAccounting._pack = timed("saved-tensor pack", activations.SavedTensorAccounting._pack)

@@ -34,6 +34,7 @@ _HOOK_MODULES = (
     "fsdp_mem_otel.ledger",
     "fsdp_mem_otel.optimizers",
     "fsdp_mem_otel.schema",
+    "fsdp_mem_otel.sink",
     "fsdp_mem_otel.recorder",
     "fsdp_mem_otel.tracker",
 )

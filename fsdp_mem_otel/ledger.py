@@ -1,10 +1,16 @@
 """Storage accounting: bytes per device x category, with per-step and per-window peaks.
 
-Every tracked tensor storage is held by a weak reference whose callback subtracts its bytes when
-the storage is freed, so the ledger never keeps memory alive. Each update is O(1): it touches one
-device's counters, the step window and the innermost open window. Windows nest (a module's
-forward inside its parent's); closing one folds its peak into the enclosing window, which is how
-per-module peaks stay O(1) per update however many modules exist.
+Bytes enter the ledger two ways. Tracked storages (parameters, optimizer state, saved
+activations, and in deep mode every op's output) are held by a weak reference whose callback
+subtracts their bytes when the storage is freed, so the ledger never keeps memory alive. Buffers
+whose lifetime FSDP's own events tell (light mode's per-group accounts) are added and subtracted
+as plain integers with ``add``. Each update is O(1): it touches one device's counters, the step
+window and the innermost open window. Windows nest (a module's forward inside its parent's);
+closing one folds its peak into the enclosing window, which is how per-module peaks stay O(1)
+per update however many modules exist.
+
+Counters are per device a list indexed like ``CATEGORY_KEYS`` (``total`` last): a snapshot copies
+that list (``raw()``); the public ``{category: bytes}`` dicts are built only for reports.
 
 The ledger knows tensors and storages but nothing about FSDP.
 """
@@ -22,10 +28,18 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp_mem_otel import env
-from fsdp_mem_otel.schema import CATEGORY_KEYS, TOTAL, DeviceBreakdown
+from fsdp_mem_otel.schema import CATEGORY_KEYS, DeviceBreakdown
 
 # The CUDA caching allocator rounds every block up to 512 bytes (same rule as upstream MemTracker).
 _CUDA_MIN_BLOCK = 512 if os.environ.get(env.PYTORCH_NO_CUDA_MEMORY_CACHING, "0") == "0" else 1
+
+#: category key -> its index in a counter list
+INDEX: dict[str, int] = {c: i for i, c in enumerate(CATEGORY_KEYS)}
+_N = len(CATEGORY_KEYS)
+_T = INDEX["total"]
+
+#: device -> counters (a list indexed like CATEGORY_KEYS), as snapshots hold them
+RawBreakdown = dict[str, list[int]]
 
 
 def storages_of(t: torch.Tensor, fake_mode: Any = None) -> list[torch.UntypedStorage]:
@@ -53,28 +67,35 @@ def storages_of(t: torch.Tensor, fake_mode: Any = None) -> list[torch.UntypedSto
     return [t.untyped_storage()]
 
 
-_NO_ENTRY: list[Any] = [None, None]
-
-
-def _rounded(n: int, block: int) -> int:
+def rounded(n: int, block: int) -> int:
     """``n`` bytes as the allocator hands them out (CUDA: whole 512-byte blocks)."""
     return n if block == 1 or not n else -(-n // block) * block
 
 
-class _Window:
-    """The peak of one span of time: per device, the largest total and the breakdown then.
+def device_block(device: torch.device) -> int:
+    """The allocator's rounding on ``device``: 512 bytes on CUDA (with caching), else 1."""
+    return _CUDA_MIN_BLOCK if device.type == "cuda" else 1
 
-    Copying the breakdown at every new maximum would cost a dict copy per allocation while
-    memory grows (every saved activation in a forward); instead a device whose peak *is* the
-    current breakdown is marked live, and the ledger copies it only when that breakdown is about
-    to change downwards (a free, a relabel), when a nested window opens, or when it is read.
+
+def as_breakdown(raw: RawBreakdown) -> DeviceBreakdown:
+    """Raw counters as the public ``{device: {category: bytes}}``."""
+    return {d: dict(zip(CATEGORY_KEYS, c, strict=True)) for d, c in raw.items()}
+
+
+class _Window:
+    """The peak of one span of time: per device, the largest total and the counters then.
+
+    Copying the counters at every new maximum would cost a copy per allocation while memory grows
+    (every saved activation in a forward); instead a device whose peak *is* the current counters
+    is marked live, and the ledger copies it only when those counters are about to change
+    downwards (a free, a relabel), when a nested window opens, or when it is read.
     """
 
     __slots__ = ("live", "peak", "snap")
 
-    def __init__(self, current: DeviceBreakdown) -> None:
-        self.peak: dict[str, int] = {d: c[TOTAL] for d, c in current.items()}
-        self.snap: DeviceBreakdown = {d: dict(c) for d, c in current.items()}
+    def __init__(self, current: RawBreakdown) -> None:
+        self.peak: dict[str, int] = {d: c[_T] for d, c in current.items()}
+        self.snap: RawBreakdown = {d: c[:] for d, c in current.items()}
         self.live: set[str] = set()
 
     def offer(self, device: str, total: int) -> None:
@@ -82,16 +103,16 @@ class _Window:
             self.peak[device] = total
             self.live.add(device)
 
-    def settle(self, current: DeviceBreakdown, device: str | None = None) -> None:
+    def settle(self, current: RawBreakdown, device: str | None = None) -> None:
         """Copy the live peaks (all devices, or one) out of ``current`` before it changes."""
         if not self.live:
             return
         if device is None:
             for d in self.live:
-                self.snap[d] = dict(current[d])
+                self.snap[d] = current[d][:]
             self.live.clear()
         elif device in self.live:
-            self.snap[device] = dict(current[device])
+            self.snap[device] = current[device][:]
             self.live.discard(device)
 
     def absorb(self, inner: _Window) -> None:
@@ -106,10 +127,10 @@ class Ledger:
     """Live bytes per device and category, plus peaks for the step and for nested windows."""
 
     def __init__(self) -> None:
-        # id(storage) -> [device, category, nbytes, weakref, block]; the weakref callback drops the
-        # entry; block is the allocator's rounding (512 on CUDA, else 1).
+        # id(storage) -> [device, category index, nbytes, weakref, block]; the weakref callback
+        # drops the entry; block is the allocator's rounding (512 on CUDA, else 1).
         self._entries: dict[int, list[Any]] = {}
-        self.current: DeviceBreakdown = {}
+        self._cur: RawBreakdown = {}
         self._step = _Window({})
         self._windows: list[_Window] = []
         self._devices: dict[torch.device, tuple[str, int]] = {}  # device -> (name, block)
@@ -126,7 +147,14 @@ class Ledger:
         (``fsdp-mem-otel estimate``); other fake tensors stay uncounted."""
         self.fake_mode, self._fake_device = fake_mode, device
 
-    # -- updates -------------------------------------------------------------------------------
+    # -- integer accounts ----------------------------------------------------------------------
+    def add(self, device: str, category: str, delta: int) -> None:
+        """Add ``delta`` bytes (negative: subtract) to ``category`` on ``device`` directly, for
+        buffers whose lifetime the caller knows (no storage is tracked)."""
+        if delta:
+            self._add(device, INDEX[category], delta)
+
+    # -- tracked storages ----------------------------------------------------------------------
     def track(self, t: torch.Tensor, category: str, recategorize: bool = True) -> None:
         """Account the storages of ``t`` under ``category``.
 
@@ -153,55 +181,74 @@ class Ledger:
         if (cls is torch.Tensor or cls is nn.Parameter) and t.layout is torch.strided:
             st = t.untyped_storage()
             if id(st) not in self._entries:
-                self._new_entry(st, category)
+                self._new_entry(st, INDEX[category])
             return
         for st in storages_of(t, self.fake_mode):
             if id(st) not in self._entries:
-                self._new_entry(st, category)
+                self._new_entry(st, INDEX[category])
+
+    def knows(self, st: torch.UntypedStorage) -> bool:
+        """Whether ``st`` has an entry (tracked, or ``hold``-ed at 0 bytes)."""
+        return id(st) in self._entries
+
+    def hold(self, st: torch.UntypedStorage, category: str) -> None:
+        """Give ``st`` an entry of 0 bytes under ``category`` unless it has one: a storage whose
+        bytes an integer account carries, so that saved-tensor accounting knows it and passes."""
+        if id(st) not in self._entries:
+            self._new_entry(st, INDEX[category], 0)
+
+    def forget(self, st: torch.UntypedStorage) -> None:
+        """Set a known storage's bytes to 0, keeping the entry (its bytes move to an integer
+        account, e.g. when deep mode hands back to light mode)."""
+        entry = self._entries.get(id(st))
+        if entry is not None and entry[2]:
+            self._add(entry[0], entry[1], -entry[2])
+            entry[2] = 0
 
     def track_storage(self, st: torch.UntypedStorage, category: str, recategorize: bool) -> None:
         entry = self._entries.get(id(st))
+        cat = INDEX[category]
         if entry is None:
-            self._new_entry(st, category)
+            self._new_entry(st, cat)
             return
-        n = _rounded(st.nbytes(), entry[4])
+        n = rounded(st.nbytes(), entry[4])
         if n != entry[2]:
             self._add(entry[0], entry[1], n - entry[2])
             entry[2] = n
-        if recategorize and entry[1] != category:
-            self._relabel(entry, category)
+        if recategorize and entry[1] != cat:
+            self._relabel(entry, cat)
 
     def track_storages(self, storages: list[torch.UntypedStorage], category: str) -> None:
         """``track_storage(st, category, True)`` for each storage (an FSDP group's buffers)."""
         entries = self._entries
-        if all(entries.get(id(st), _NO_ENTRY)[1] == category for st in storages):
+        cat = INDEX[category]
+        if all(entries.get(id(st), _NO_ENTRY)[1] == cat for st in storages):
             self.refresh_storages(storages)  # all known under this category: sizes only
             return
         for st in storages:
             self.track_storage(st, category, True)
 
-    def _new_entry(self, st: torch.UntypedStorage, category: str) -> None:
+    def _new_entry(self, st: torch.UntypedStorage, cat: int, nbytes: int | None = None) -> None:
         dev = st.device
         if dev.type == "meta" and self._fake_device is not None:  # a counted fake tensor's storage
             dev = self._fake_device
         known = self._devices.get(dev)
         if known is None:
-            block = _CUDA_MIN_BLOCK if dev.type == "cuda" else 1
-            known = self._devices[dev] = (str(dev), block)
+            known = self._devices[dev] = (str(dev), device_block(dev))
         name, block = known
         key = id(st)
-        n = _rounded(st.nbytes(), block)
-        self._entries[key] = [name, category, n, weakref.KeyedRef(st, self._on_free, key), block]
+        n = rounded(st.nbytes(), block) if nbytes is None else nbytes
+        self._entries[key] = [name, cat, n, weakref.KeyedRef(st, self._on_free, key), block]
         if n:
-            self._add(name, category, n)
+            self._add(name, cat, n)
 
-    def _relabel(self, entry: list[Any], category: str) -> None:
+    def _relabel(self, entry: list[Any], cat: int) -> None:
         device = entry[0]
-        cats = self.current[device]
+        cats = self._cur[device]
         self._settle(device)
         cats[entry[1]] -= entry[2]
-        cats[category] += entry[2]
-        entry[1] = category
+        cats[cat] += entry[2]
+        entry[1] = cat
 
     def relabel_guess(self, t: torch.Tensor, category: str, guesses: frozenset[str]) -> None:
         """Account ``t`` under ``category`` unless it already holds a category outside ``guesses``.
@@ -210,9 +257,10 @@ class Ledger:
         temp) becomes all_gather/reduce_scatter, but what an adapter named explicitly (FSDP1's
         unsharded grad doubling as the reduce-scatter input) keeps its name.
         """
+        guessed = {INDEX[g] for g in guesses}
         for st in storages_of(t, self.fake_mode):
             entry = self._entries.get(id(st))
-            self.track_storage(st, category, recategorize=entry is None or entry[1] in guesses)
+            self.track_storage(st, category, recategorize=entry is None or entry[1] in guessed)
 
     def refresh(self, t: torch.Tensor) -> None:
         """Re-read the sizes of ``t``'s storages (after ``resize_``), keeping their categories."""
@@ -223,7 +271,7 @@ class Ledger:
         """Re-read one storage's size (deep mode's resize_ watch calls this)."""
         entry = self._entries.get(id(st))
         if entry is not None:
-            n = _rounded(st.nbytes(), entry[4])
+            n = rounded(st.nbytes(), entry[4])
             if n != entry[2]:
                 self._add(entry[0], entry[1], n - entry[2])
                 entry[2] = n
@@ -232,33 +280,33 @@ class Ledger:
         """``refresh_storage`` for each storage (an FSDP group's buffers after a reshard); the
         bytes change once per device and category, as FSDP resizes them all together."""
         entries = self._entries
-        deltas: dict[tuple[str, str], int] = {}
+        deltas: dict[tuple[str, int], int] = {}
         for st in storages:
             entry = entries.get(id(st))
             if entry is not None:
-                n = _rounded(st.nbytes(), entry[4])
+                n = rounded(st.nbytes(), entry[4])
                 if n != entry[2]:
                     where = (entry[0], entry[1])
                     deltas[where] = deltas.get(where, 0) + n - entry[2]
                     entry[2] = n
-        for (device, category), delta in deltas.items():
+        for (device, cat), delta in deltas.items():
             if delta:
-                self._add(device, category, delta)
+                self._add(device, cat, delta)
 
-    def _add(self, device: str, category: str, delta: int) -> None:
+    def _add(self, device: str, cat: int, delta: int) -> None:
         # The hot path of every update: written out, no helper calls unless a window is live.
-        cats = self.current.get(device)
+        cats = self._cur.get(device)
         if cats is None:
-            cats = self.current[device] = dict.fromkeys(CATEGORY_KEYS, 0)
+            cats = self._cur[device] = [0] * _N
         step = self._step
         windows = self._windows
-        if delta < 0:  # the breakdown shrinks: keep copies of the peaks it still is
+        if delta < 0:  # the counters shrink: keep copies of the peaks they still are
             if device in step.live:
-                step.settle(self.current, device)
+                step.settle(self._cur, device)
             if windows and device in windows[-1].live:
-                windows[-1].settle(self.current, device)
-        cats[category] += delta
-        total = cats[TOTAL] = cats[TOTAL] + delta
+                windows[-1].settle(self._cur, device)
+        cats[cat] += delta
+        total = cats[_T] = cats[_T] + delta
         if delta > 0 and self.offer_on_add:
             if total > step.peak.get(device, -1):
                 step.peak[device] = total
@@ -271,71 +319,91 @@ class Ledger:
 
     def _settle(self, device: str) -> None:
         # Only the step window and the innermost window receive offers, so only they can be live.
-        self._step.settle(self.current, device)
+        self._step.settle(self._cur, device)
         if self._windows:
-            self._windows[-1].settle(self.current, device)
+            self._windows[-1].settle(self._cur, device)
 
     def offer_current(self) -> None:
-        """Make the current breakdown a peak candidate for the step and the innermost window."""
+        """Make the current counters a peak candidate for the step and the innermost window."""
         inner = self._windows[-1] if self._windows else None
-        for device, cats in self.current.items():
-            self._step.offer(device, cats[TOTAL])
+        for device, cats in self._cur.items():
+            self._step.offer(device, cats[_T])
             if inner is not None:
-                inner.offer(device, cats[TOTAL])
+                inner.offer(device, cats[_T])
 
     # -- windows and peaks ---------------------------------------------------------------------
     def open_window(self) -> None:
         """Start a nested peak window (a module's forward or backward)."""
         if self._windows:
-            self._windows[-1].settle(self.current)  # it stops receiving offers now
-        self._windows.append(_Window(self.current))
+            self._windows[-1].settle(self._cur)  # it stops receiving offers now
+        self._windows.append(_Window(self._cur))
 
     def close_window(self) -> DeviceBreakdown:
         """End the innermost window; return its peak breakdown and fold it into the enclosing one."""
+        return as_breakdown(self.close_window_raw())
+
+    def close_window_raw(self) -> RawBreakdown:
+        """``close_window``, returning the peak as raw counters (what a snapshot keeps)."""
         if not self._windows:
             return {}
         w = self._windows.pop()
-        w.settle(self.current)
+        w.settle(self._cur)
         if self._windows:
             self._windows[-1].absorb(w)
-        return {d: dict(c) for d, c in w.snap.items()}
+        return {d: c[:] for d, c in w.snap.items()}
 
-    def close_window_at(self, index: int) -> DeviceBreakdown:
+    def close_window_at(self, index: int) -> RawBreakdown:
         """End the window at ``index`` of the open ones (0 = outermost), which need not be the
         innermost: windows that overlap without nesting (modules whose backward spans cross).
-        Its peak takes in what the windows opened after it have seen so far; returns it."""
+        Its peak takes in what the windows opened after it have seen so far; returns it (raw)."""
         if index == len(self._windows) - 1 or index == -1:
-            return self.close_window()
+            return self.close_window_raw()
         w = self._windows[index]
         for inner in self._windows[index + 1:]:
-            inner.settle(self.current)
+            inner.settle(self._cur)
             w.absorb(inner)
         del self._windows[index]
         if index > 0:
             self._windows[index - 1].absorb(w)
-        return {d: dict(c) for d, c in w.snap.items()}
+        return {d: c[:] for d, c in w.snap.items()}
 
     @property
     def open_windows(self) -> int:
         return len(self._windows)
 
+    def raw(self) -> RawBreakdown:
+        """A copy of the current counters (what a snapshot keeps)."""
+        return {d: c[:] for d, c in self._cur.items()}
+
+    @property
+    def current(self) -> DeviceBreakdown:
+        """The current breakdown, ``{device: {category: bytes}}`` (a copy)."""
+        return as_breakdown(self._cur)
+
     def snapshot(self) -> DeviceBreakdown:
         """A copy of the current breakdown."""
-        return {d: dict(c) for d, c in self.current.items()}
+        return as_breakdown(self._cur)
+
+    def category_bytes(self, category: str) -> int:
+        """Bytes of ``category`` now, summed over devices."""
+        i = INDEX[category]
+        return sum(c[i] for c in self._cur.values())
 
     def step_peak(self) -> DeviceBreakdown:
-        self._step.settle(self.current)
-        return {d: dict(c) for d, c in self._step.snap.items()}
+        self._step.settle(self._cur)
+        return as_breakdown(self._step.snap)
 
     def reset_step(self) -> None:
         """Start a new step: the step peak restarts from what is live now; windows are dropped."""
-        self._step = _Window(self.current)
+        self._step = _Window(self._cur)
         self._windows.clear()
 
     # -- introspection -------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._entries)
 
+
+_NO_ENTRY: list[Any] = [None, None]
 
 
 def _free_callback(entries: dict[int, list[Any]], ledger_ref: weakref.ref[Ledger]) -> Any:

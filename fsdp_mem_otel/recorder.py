@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from fsdp_mem_otel.ledger import Ledger
+from fsdp_mem_otel.ledger import Ledger, RawBreakdown, as_breakdown
 from fsdp_mem_otel.schema import (
     AFTER_POST_BACKWARD,
     AFTER_POST_FORWARD,
@@ -29,7 +29,6 @@ from fsdp_mem_otel.schema import (
     PEAK_FORWARD,
     POST_FORWARD_AC,
     PRE_FORWARD_AC,
-    DeviceBreakdown,
     ModuleReport,
 )
 
@@ -68,8 +67,23 @@ class StepContext:
         self.in_ac_recompute = False
 
 
+class _Calls:
+    """One module's raw snapshots of a step: state -> counters and times, one per call."""
+
+    __slots__ = ("snapshots", "times")
+
+    def __init__(self) -> None:
+        self.snapshots: dict[str, list[RawBreakdown]] = {}
+        self.times: dict[str, list[int]] = {}
+
+    def report(self) -> ModuleReport:
+        return ModuleReport({s: [as_breakdown(b) for b in calls] for s, calls in self.snapshots.items()},
+                            {s: list(t) for s, t in self.times.items()})
+
+
 class StepRecorder:
-    """Snapshots and peak windows of one step at a time, from module state events."""
+    """Snapshots and peak windows of one step at a time, from module state events. Snapshots are
+    kept as raw counters (``Ledger.raw``); ``modules`` builds the reports' dicts."""
 
     def __init__(self, ledger: Ledger, context: StepContext | None = None) -> None:
         self.ledger = ledger
@@ -78,7 +92,7 @@ class StepRecorder:
 
     def reset(self) -> None:
         """Start a new step: no snapshots, no open windows, phase idle."""
-        self.modules: dict[str, ModuleReport] = {}
+        self._calls: dict[str, _Calls] = {}
         self.windows: list[tuple[str, str]] = []  # (module key, peak state) per open window
         self.context.phase = IDLE
         self.context.in_ac_recompute = False
@@ -99,7 +113,7 @@ class StepRecorder:
         closes = _CLOSES.get(state) if windowed else None
         if closes is not None:
             self._close_window(key, closes)
-        self._append(key, state, self.ledger.snapshot())
+        self._append(key, state, self.ledger.raw())
         opens = _OPENS.get(state) if windowed else None
         if opens is not None:
             self.open_window(key, opens)
@@ -128,12 +142,12 @@ class StepRecorder:
             ctx.phase = PRE_FORWARD
         elif state == AFTER_PRE_FORWARD:
             ctx.phase = FORWARD
-            self._append(key, PRE_FORWARD_AC, self.ledger.snapshot())
+            self._append(key, PRE_FORWARD_AC, self.ledger.raw())
             if self._ac_key is None:
                 self._ac_key, ctx.in_ac_recompute = key, True
         elif state == BEFORE_POST_FORWARD:
             ctx.phase = POST_FORWARD
-            self._append(key, POST_FORWARD_AC, self.ledger.snapshot())
+            self._append(key, POST_FORWARD_AC, self.ledger.raw())
             if self._ac_key == key:
                 self._ac_key, ctx.in_ac_recompute = None, False
 
@@ -143,7 +157,7 @@ class StepRecorder:
             return
         while self.windows:
             k, s = self.windows.pop()
-            self._append(k, s, self.ledger.close_window())
+            self._append(k, s, self.ledger.close_window_raw())
             if k == key and s == peak_state:
                 return
 
@@ -151,20 +165,25 @@ class StepRecorder:
         """Close every window still open (step end), innermost first."""
         while self.windows:
             key, peak_state = self.windows.pop()
-            self._append(key, peak_state, self.ledger.close_window())
+            self._append(key, peak_state, self.ledger.close_window_raw())
 
-    def _append(self, key: str, state: str, snap: DeviceBreakdown) -> None:
+    def _append(self, key: str, state: str, snap: RawBreakdown) -> None:
         self._last_key = key
         self._last_state_of[key] = state
-        mod = self.modules.get(key)
+        mod = self._calls.get(key)
         if mod is None:
-            mod = self.modules[key] = ModuleReport()
+            mod = self._calls[key] = _Calls()
         calls = mod.snapshots.get(state)
         if calls is None:
             calls = mod.snapshots[state] = []
             mod.times[state] = []
         calls.append(snap)
         mod.times[state].append(time.time_ns())
+
+    @property
+    def modules(self) -> dict[str, ModuleReport]:
+        """The step's snapshots so far, per module, as reports hold them (built on each call)."""
+        return {key: calls.report() for key, calls in self._calls.items()}
 
     # -- where are we --------------------------------------------------------------------------
     @property

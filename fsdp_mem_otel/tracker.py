@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -21,7 +20,6 @@ except ImportError as _missing:
     raise ImportError(MISSING_TORCH) from _missing
 
 from fsdp_mem_otel import env
-from fsdp_mem_otel.activations import SavedTensorAccounting
 from fsdp_mem_otel.adapters import make_adapter
 from fsdp_mem_otel.adapters.base import iter_tensors
 from fsdp_mem_otel.allocator import AllocatorProbe
@@ -39,13 +37,8 @@ from fsdp_mem_otel.ledger import Ledger
 from fsdp_mem_otel.optimizers import OptimizerWatch, unwrap_optimizers
 from fsdp_mem_otel.recorder import StepContext, StepRecorder
 from fsdp_mem_otel.schema import (
-    ACTIVATION,
-    AFTER_POST_FORWARD,
-    BEFORE_POST_FORWARD,
-    BEFORE_PRE_FORWARD,
     DEEP,
     DEEP_SKIPPED_COMPILED,
-    FORWARD_STATES,
     INPUTS,
     LIGHT,
     WARNING_NOTHING_SHARDED,
@@ -53,10 +46,9 @@ from fsdp_mem_otel.schema import (
     StepAbort,
     StepReport,
 )
+from fsdp_mem_otel.sink import Sink
 
 logger = logging.getLogger(__name__)
-_in_backward = torch._C._current_graph_task_id
-_POST_FORWARD = frozenset({BEFORE_POST_FORWARD, AFTER_POST_FORWARD})
 
 
 class FSDPMemoryTracker:
@@ -114,11 +106,12 @@ class FSDPMemoryTracker:
         self.context = StepContext()
         self.recorder = StepRecorder(self.ledger, self.context)
         self._optimizers = OptimizerWatch(optimizers, self.ledger, self.context, self.report_error)
-        keep_out_of_dynamo()
-        self._adapter = make_adapter(model, self)
         self._probe = AllocatorProbe(reset_peaks=config.reset_peaks)
-        self._activations = SavedTensorAccounting(self.ledger, self.report_error)
-        self._recompute_activations = SavedTensorAccounting(self.ledger, self.report_error)
+        self._sink = Sink(self.ledger, self.recorder, self.report_error, self._probe.sample, config.activations)
+        self._sink.on_forward = self._start_pending_deep
+        self._sink.on_raising_forward = self._note_raising_forward
+        keep_out_of_dynamo()
+        self._adapter = make_adapter(model, self._sink)
         if optimizers:
             _check_optimizer_covers_model(self._optimizers.params(), model)
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -138,12 +131,9 @@ class FSDPMemoryTracker:
         self._deep_mode: DeepMode | None = None
         self._restore_stance: Any = None
         self._step_mode = LIGHT
-        self._deep_pending = False  # a deep step whose deep mode starts at its first FSDP forward
         self._called_from_compiled = False  # an FSDP forward ran under a compiled caller
         self._deep_skipped: str | None = None
         self._abort: StepAbort | None = None
-        self._forward_depth = 0  # nesting of FSDP forwards now running (outside backward)
-        self._recompute_depth = 0  # nesting of FSDP forwards recomputed in backward
         self._reset_step_state()
 
     @classmethod
@@ -174,7 +164,7 @@ class FSDPMemoryTracker:
             self._uninstall()
             self.report_error(exc, may_disable=False)
             return self
-        self.attached = True
+        self.attached = self._sink.active = True
         self._begin_step()
         return self
 
@@ -204,10 +194,9 @@ class FSDPMemoryTracker:
         """Remove every hook and patch; accounting stops. Safe to call twice."""
         if not self.attached:
             return
-        self.attached = False
+        self.attached = self._sink.active = False
         self._leave_deep()
-        self._activations.pop()
-        self._recompute_activations.pop()
+        self._sink.end_step()
         self._uninstall()
 
     def __enter__(self) -> FSDPMemoryTracker:
@@ -282,9 +271,8 @@ class FSDPMemoryTracker:
             deep_skipped=self._deep_skipped,
         )
         try:
-            self._activations.pop()  # a forward that raised before its end
-            self._recompute_activations.pop()
-            self._forward_depth = self._recompute_depth = 0
+            overhead = self._sink.overhead
+            self._sink.end_step()  # a forward that raised before its end left hooks pushed
             if self._abort is None and self.recorder.in_pass:
                 self._abort = self._make_abort(
                     "IncompleteStep", "step() called while a forward or backward pass was still open", False
@@ -297,7 +285,7 @@ class FSDPMemoryTracker:
             report.current = self.ledger.snapshot()
             report.allocator = self._probe.step_stats({d: c["total"] for d, c in report.current.items()})
             report.modules = self.recorder.modules
-            report.tracker_overhead_seconds = self._overhead
+            report.tracker_overhead_seconds = overhead
         except Exception as exc:  # noqa: BLE001
             self.report_error(exc)
         report.errors_total = self.errors_total
@@ -347,6 +335,11 @@ class FSDPMemoryTracker:
             self.record_exception(exc)
             raise
 
+    def _note_raising_forward(self, exc: BaseException) -> None:
+        # the sink saw a forward raise: locate the abort now, before the windows close
+        if self._abort is None:
+            self._abort = self._make_abort(type(exc).__name__, str(exc)[:500], _is_oom(exc))
+
     def _make_abort(self, error: str, message: str, oom: bool) -> StepAbort:
         module, state = self.recorder.location()
         abort = StepAbort(error, message, oom, module, state, self.ledger.snapshot())
@@ -361,7 +354,7 @@ class FSDPMemoryTracker:
         """Light mode: account what autograd saves inside the block as activations, for work
         outside any FSDP module's forward, such as a loss computed after the model
         (``with tracker.saved_activations(): loss = loss_fn(pred, labels)``)."""
-        acts = self._activations
+        acts = self._sink.activations
         push = self.attached and self._deep_mode is None and self.config.activations and not acts.active
         if push:
             acts.push()
@@ -382,7 +375,6 @@ class FSDPMemoryTracker:
     # -- step internals ------------------------------------------------------------------------
     def _reset_step_state(self) -> None:
         self.recorder.reset()
-        self._overhead = 0.0
         self._step_started = time.perf_counter()
         self._step_started_ns = time.time_ns()
         self._abort = None
@@ -391,7 +383,7 @@ class FSDPMemoryTracker:
     def _begin_step(self) -> None:
         step = self.steps_completed + 1
         self._step_mode = LIGHT
-        self._deep_pending = False
+        self._sink.forward_pending = False
         if not self.config.is_deep(step) or self.disabled:
             return
         if self._runs_compiled_code():
@@ -403,7 +395,7 @@ class FSDPMemoryTracker:
         # Deep mode starts at the step's first FSDP forward, where a compiled caller (an outer
         # torch.compile(model), a compiled training step) shows: entered before it, the dispatch
         # mode would make dynamo run that caller eagerly, changing the run.
-        self._deep_pending = True
+        self._sink.forward_pending = True
 
     def _skip_deep(self) -> None:
         self._step_mode = LIGHT
@@ -427,7 +419,6 @@ class FSDPMemoryTracker:
 
     def _start_pending_deep(self) -> None:
         """The step's first FSDP forward of a deep step: go deep, unless compiled code called it."""
-        self._deep_pending = False
         if called_from_compiled_code():
             self._called_from_compiled = True
             self._skip_deep()
@@ -444,6 +435,7 @@ class FSDPMemoryTracker:
             self._deep_mode.__enter__()
             RESIZE_WATCH.add(self.ledger)
             self.ledger.offer_on_add = False
+            self._sink.deep = True
             self._step_mode = DEEP
         except Exception as exc:  # noqa: BLE001
             self._deep_mode = None
@@ -463,6 +455,7 @@ class FSDPMemoryTracker:
         if mode is None:
             return
         self.ledger.offer_on_add = True
+        self._sink.deep = False
         RESIZE_WATCH.discard(self.ledger)
         try:
             from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -476,141 +469,6 @@ class FSDPMemoryTracker:
         except Exception as exc:  # noqa: BLE001
             self.report_error(exc)
         self._restore_eager_stance()
-
-    # -- EventSink (called by adapters from FSDP hooks) ---------------------------------------
-    def open_window(self, key: str, peak_state: str) -> None:
-        """Adapters: start module ``key``'s peak window (for states reported ``windowed=False``)."""
-        if self.attached:
-            try:
-                self.recorder.open_window(key, peak_state)
-            except Exception as exc:  # noqa: BLE001
-                self.report_error(exc)
-
-    def close_window(self, key: str, peak_state: str) -> None:
-        """Adapters: end module ``key``'s peak window."""
-        if self.attached:
-            try:
-                self.recorder.close_window(key, peak_state)
-            except Exception as exc:  # noqa: BLE001
-                self.report_error(exc)
-
-    def end_window(self, key: str, peak_state: str) -> None:
-        """Adapters: end module ``key``'s peak window alone, where windows overlap."""
-        if self.attached:
-            try:
-                self.recorder.end_window(key, peak_state)
-            except Exception as exc:  # noqa: BLE001
-                self.report_error(exc)
-
-    def on_state(self, key: str, state: str, tensors: object = None, windowed: bool = True) -> None:
-        """Module ``key`` reached ``state``: take a snapshot, open or close its peak window.
-
-        ``tensors`` (the module's inputs at after_pre_forward, its outputs at after_post_forward)
-        are accounted as activations first, in light mode: autograd does not save a module's
-        outputs, yet they are alive (the next module's input, the logits, the loss).
-        """
-        if not self.attached:
-            return
-        t0 = time.perf_counter()
-        try:
-            in_backward = _in_backward() != -1
-            if in_backward and state in FORWARD_STATES:  # an activation-checkpoint recompute
-                self._recompute_state(state, tensors)
-            else:
-                if not in_backward:
-                    if tensors is None and state in _POST_FORWARD and self._abort is None:
-                        self._note_raising_forward()
-                    if state == BEFORE_PRE_FORWARD:
-                        self._forward_begins()
-                    elif tensors is not None and self._deep_mode is None and self.config.activations:
-                        track_new = self.ledger.track_new
-                        for t in iter_tensors(tensors):
-                            track_new(t, ACTIVATION)
-                self._probe.sample()
-            self.recorder.on_state(key, state, in_backward, windowed)
-            if state == AFTER_POST_FORWARD and not in_backward:
-                self._forward_ends()
-        except Exception as exc:  # noqa: BLE001
-            self.report_error(exc)
-        self._overhead += time.perf_counter() - t0
-
-    def _note_raising_forward(self) -> None:
-        # Post-forward hooks with no outputs while an exception propagates: the forward raised
-        # (they are always_call hooks). Locate the abort now, before the windows close.
-        exc = sys.exc_info()[1]
-        if exc is not None:
-            self._abort = self._make_abort(type(exc).__name__, str(exc)[:500], _is_oom(exc))
-
-    def _recompute_state(self, state: str, tensors: object) -> None:
-        # An FSDP module recomputed inside a checkpointed region: checkpointing's own saved-tensor
-        # hooks keep what it recomputes; ours chain to them to account it (light mode), and the
-        # module's recomputed outputs count as they do in forward.
-        if self._deep_mode is not None or not self.config.activations:
-            return
-        if state == BEFORE_PRE_FORWARD:
-            self._recompute_depth += 1
-            if self._recompute_depth == 1:
-                self._recompute_activations.push()
-        elif state == AFTER_POST_FORWARD and self._recompute_depth > 0:  # always called, also when
-            self._recompute_depth -= 1  # checkpointing stops the recompute early by raising
-            if tensors is not None:
-                for t in iter_tensors(tensors):
-                    self.ledger.track_new(t, ACTIVATION)
-            if self._recompute_depth == 0:
-                self._recompute_activations.pop()
-
-    def _forward_begins(self) -> None:
-        self._forward_depth += 1
-        if self._deep_pending:
-            self._start_pending_deep()
-        if self._forward_depth == 1 and self._deep_mode is None and self.config.activations:
-            self._activations.push()
-
-    def _forward_ends(self) -> None:
-        if self._forward_depth > 0:
-            self._forward_depth -= 1
-        if self._forward_depth == 0:
-            self._activations.pop()
-
-    def track(self, tensor: torch.Tensor | None, category: str) -> None:
-        if tensor is None or not self.attached:
-            return
-        try:
-            self.ledger.track(tensor, category)
-        except Exception as exc:  # noqa: BLE001
-            self.report_error(exc)
-
-    def track_all(self, tensors: list[torch.Tensor | None], category: str) -> None:
-        if not self.attached:
-            return
-        try:
-            self.ledger.track_all(tensors, category)
-        except Exception as exc:  # noqa: BLE001
-            self.report_error(exc)
-
-    def track_storages(self, storages: list[torch.UntypedStorage], category: str) -> None:
-        if not self.attached:
-            return
-        try:
-            self.ledger.track_storages(storages, category)
-        except Exception as exc:  # noqa: BLE001
-            self.report_error(exc)
-
-    def refresh(self, tensor: torch.Tensor | None) -> None:
-        if tensor is None or not self.attached:
-            return
-        try:
-            self.ledger.refresh(tensor)
-        except Exception as exc:  # noqa: BLE001
-            self.report_error(exc)
-
-    def refresh_storages(self, storages: list[torch.UntypedStorage]) -> None:
-        if not self.attached:
-            return
-        try:
-            self.ledger.refresh_storages(storages)
-        except Exception as exc:  # noqa: BLE001
-            self.report_error(exc)
 
     def report_error(self, exc: BaseException, may_disable: bool = True) -> None:
         """Count an internal failure, log it once per kind, and detach after too many

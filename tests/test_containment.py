@@ -85,7 +85,7 @@ def containment(opts_dict: dict[str, Any]) -> ContainmentResult:
                                     exporters=[flaky_exporter, recorder]) if tracked else None
         if tracker is not None:
             tracker.attach()
-            tracker.ledger.snapshot = _flaky(tracker.ledger.snapshot)  # type: ignore[method-assign]
+            tracker.ledger.raw = _flaky(tracker.ledger.raw)  # type: ignore[method-assign]
         run = []
         for step in range(4):
             x = make_batch(step, BATCH, WIDTH, rank)
@@ -128,7 +128,7 @@ def disable_after_errors(opts_dict: dict[str, Any]) -> DisableResult:
     def broken() -> dict[str, dict[str, int]]:
         raise RuntimeError("always broken")
 
-    tracker.ledger.snapshot = broken  # type: ignore[method-assign]
+    tracker.ledger.raw = broken  # type: ignore[method-assign]
     for step in range(3):
         train_step(model, opt, make_batch(step, BATCH, WIDTH, rank))
         tracker.step()
