@@ -1,11 +1,23 @@
 """Exporters' background CPU and output per training step at M=100 FSDP modules.
 
 Records the StepReports of a real FSDP2 run (one process, gloo, M FSDP modules, deep_every=100),
-then replays them into each exporter configuration in turn and measures the process CPU time it
-adds (all threads: the span builder, the SDK's batch processor, the sidecar and JSONL writers),
-per step, plus what it emits: OTLP bytes (the OTLP exporter's own protobuf encoder, one request
-per batch), spans, JSONL bytes. Replaying the same reports makes the configurations comparable
-in one run; the training itself is not timed here (benchmarks/overhead.py does that).
+then replays them into each exporter configuration in turn, and into all three at once, and
+measures the process CPU time they add (all threads: the span builder, the SDK's batch
+processor, the sidecar and JSONL writers), per step, plus what they emit: OTLP bytes (the OTLP
+exporter's own protobuf encoder, one request per batch), spans, JSONL bytes. Replaying the same
+reports makes the configurations comparable in one run; the training itself is not timed here
+(benchmarks/overhead.py does that).
+
+A replay runs far faster than training, so it models a step rate: every ``--flush-every`` steps
+(default 5: one step per second) each exporter is flushed, which is what its own clock does once
+per 5 s in a job: the span processor sends its batch (``OTEL_BSP_SCHEDULE_DELAY``, 5 s), the
+sidecar renders its file (``sidecar_interval_seconds``, 5 s; set to an hour here so that only the
+flush renders), the JSONL writer catches up (it writes every step). ``--flush-every 1`` is one
+step per 5 s. Nothing is dropped: the script fails if an exporter dropped a step.
+
+``--reports FILE`` keeps the recorded reports (pickle) and replays them again on the next run, so
+two versions of the package can be measured on the very same reports: run the script once per
+version, each with its own ``PYTHONPATH``, with the same FILE.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/exporter_cpu.py --steps 1000 --modules 100
 """
@@ -14,21 +26,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from torch import nn
-from torch.distributed.fsdp import fully_shard
 
-from fsdp_mem_otel import FSDPMemoryTracker
-from fsdp_mem_otel.config import TrackerConfig
-from fsdp_mem_otel.demo import make_batch, train_step
+import fsdp_mem_otel
 from fsdp_mem_otel.exporters.jsonl import JSONLExporter
 from fsdp_mem_otel.exporters.otel import OTelSpanExporter
 from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
@@ -36,6 +43,8 @@ from fsdp_mem_otel.identity import Identity
 from fsdp_mem_otel.schema import StepReport
 
 WIDTH = 8
+#: the sidecar's interval in the replay: only the flushes render (see the module docstring)
+NO_INTERVAL_WRITES = 3600.0
 
 
 class EncodingSpanExporter(SpanExporter):
@@ -55,6 +64,19 @@ class EncodingSpanExporter(SpanExporter):
 
 
 def record(steps: int, modules: int, deep_every: int) -> list[StepReport]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_mem_otel import FSDPMemoryTracker
+    from fsdp_mem_otel.config import TrackerConfig
+    from fsdp_mem_otel.demo import make_batch, train_step
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(modules - 1)])
     for block in model:
@@ -68,21 +90,36 @@ def record(steps: int, modules: int, deep_every: int) -> list[StepReport]:
             reports.append(tracker.step())
             if step % 100 == 0:
                 print(f"  recorded {step}/{steps} steps", flush=True)
+    dist.destroy_process_group()
     return reports
 
 
-def replay(reports: list[StepReport], make: Callable[[], Any], flush: Callable[[Any], None],
-           per_step_flush: bool = False) -> float:
-    """Process CPU seconds per step that exporting ``reports`` costs (make and close excluded)."""
-    exporter = make()
+def flush_all(exporters: list[Any]) -> None:
+    for e in exporters:
+        ok = e.force_flush(timeout=300) if isinstance(e, OTelSpanExporter) else e.flush(timeout=300)
+        if not ok:
+            raise RuntimeError(f"{type(e).__name__} did not flush")
+
+
+def replay(reports: list[StepReport], exporters: list[Any], flush_every: int) -> float:
+    """Process CPU seconds per step that exporting ``reports`` costs (construction and close excluded)."""
     start = time.process_time()
-    for report in reports:
-        exporter.export(report)
-        if per_step_flush:
-            flush(exporter)
-    flush(exporter)
+    for i, report in enumerate(reports, 1):
+        for e in exporters:
+            e.export(report)
+        if i % flush_every == 0:
+            flush_all(exporters)
+    flush_all(exporters)
     cpu = time.process_time() - start
-    exporter.shutdown()
+    for e in exporters:
+        e.shutdown()
+    for e in exporters:  # every step reached its output: nothing was dropped on the way
+        if isinstance(e, JSONLExporter):
+            assert e.dropped_total == 0 and e.lines_total == len(reports), (e.dropped_total, e.lines_total)
+        if isinstance(e, OTelSpanExporter):
+            wanted = sum(1 for r in reports if e.wants(r))
+            assert e.steps_exported == wanted and e.errors_total == 0, (e.steps_exported, wanted, e.errors_total)
+        assert e.errors_total == 0, (type(e).__name__, e.errors_total)
     return cpu / len(reports)
 
 
@@ -91,43 +128,67 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--modules", type=int, default=100)
     p.add_argument("--deep-every", type=int, default=100)
+    p.add_argument("--flush-every", type=int, default=5,
+                   help="steps between flushes (default 5: one step per second, see the module docstring)")
+    p.add_argument("--reports", default=None, help="pickle of the recorded reports: replayed if it exists, "
+                                                   "else written after recording")
+    p.add_argument("--rounds", type=int, default=1, help="replay each configuration this many times, "
+                                                         "interleaved; the median is shown")
     args = p.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    torch.set_num_threads(1)
-    print(f"recording {args.steps} steps of {args.modules} FSDP modules, deep_every={args.deep_every}", flush=True)
-    reports = record(args.steps, args.modules, args.deep_every)
-    dist.destroy_process_group()
+    print(f"fsdp_mem_otel from {os.path.dirname(fsdp_mem_otel.__file__)}", flush=True)
+    if args.reports and os.path.exists(args.reports):
+        with open(args.reports, "rb") as f:
+            reports = pickle.load(f)
+        print(f"replaying {len(reports)} recorded steps from {args.reports}", flush=True)
+    else:
+        print(f"recording {args.steps} steps of {args.modules} FSDP modules, deep_every={args.deep_every}",
+              flush=True)
+        reports = record(args.steps, args.modules, args.deep_every)
+        if args.reports:
+            with open(args.reports, "wb") as f:
+                pickle.dump(reports, f)
+    modules = len(reports[-1].modules)
+    deep = sum(1 for r in reports if r.mode == "deep")
     identity = Identity("bench", 0, 0, 1, "host")
-    rows = []
+    names = ("OTLP spans", "Prometheus sidecar file", "JSONL", "all three at once")
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    out: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, module_spans_every in (("OTLP spans, module spans every step (before)", 1),
-                                         ("OTLP spans, defaults (after)", None)):
-            sink = EncodingSpanExporter()
-            kwargs = {} if module_spans_every is None else {"module_spans_every": module_spans_every}
-            # flushed every step: a replay outruns the span builder's queue, which would drop steps
-            cpu = replay(reports, lambda s=sink, k=kwargs: OTelSpanExporter(identity, span_exporter=s, **k),
-                         lambda e: e.force_flush(timeout=120), per_step_flush=True)
-            rows.append((name, cpu, f"{sink.spans / len(reports):.1f} spans, "
-                                    f"{sink.bytes / len(reports) / 1024:.1f} KiB OTLP"))
-        sidecar = os.path.join(tmp, "sidecar")
-        cpu = replay(reports, lambda: PrometheusExporter(identity, http=False, sidecar_dir=sidecar,
-                                                         sidecar_interval_seconds=0),
-                     lambda e: e.flush(timeout=60), per_step_flush=True)
-        size = os.path.getsize(os.path.join(sidecar, "rank-0.prom"))
-        rows.append(("Prometheus sidecar file, every step (before)", cpu, f"{size / 1024:.1f} KiB file"))
-        # after: at most every 5 s; at one step per second, one render in five steps
-        rows.append(("Prometheus sidecar file, every 5 s at 1 step/s (after)", cpu / 5, "one write in 5 steps"))
-        path = os.path.join(tmp, "run.jsonl")
-        cpu = replay(reports, lambda: JSONLExporter(path), lambda e: e.flush(timeout=120))
-        written = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp) if f.startswith("run.jsonl"))
-        rows.append(("JSONL, defaults", cpu, f"{written / len(reports) / 1024:.2f} KiB per step (with index)"))
-    print(f"\n{args.steps} steps, {args.modules} FSDP modules, deep_every={args.deep_every}\n")
+        for rnd in range(args.rounds):
+            order = names if rnd % 2 == 0 else names[::-1]
+            for name in order:
+                d = os.path.join(tmp, f"{rnd}-{names.index(name)}")
+                sink = EncodingSpanExporter()
+                exporters: list[Any] = []
+                if name in ("OTLP spans", "all three at once"):
+                    exporters.append(OTelSpanExporter(identity, span_exporter=sink))
+                if name in ("Prometheus sidecar file", "all three at once"):
+                    exporters.append(PrometheusExporter(identity, http=False, sidecar_dir=os.path.join(d, "sidecar"),
+                                                        sidecar_interval_seconds=NO_INTERVAL_WRITES))
+                if name in ("JSONL", "all three at once"):
+                    exporters.append(JSONLExporter(os.path.join(d, "run.jsonl")))
+                cpu[name].append(replay(reports, exporters, args.flush_every))
+                n = len(reports)
+                if name == "OTLP spans":
+                    out[name] = f"{sink.spans / n:.1f} spans, {sink.bytes / n / 1024:.1f} KiB OTLP"
+                elif name == "Prometheus sidecar file":
+                    size = os.path.getsize(os.path.join(d, "sidecar", "rank-0.prom"))
+                    out[name] = f"{size / 1024:.1f} KiB file, written every {args.flush_every} steps"
+                elif name == "JSONL":
+                    written = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d)
+                                  if f.startswith("run.jsonl"))
+                    out[name] = f"{written / n / 1024:.2f} KiB per step (with index)"
+                else:
+                    out[name] = "the three above, in one process"
+    print(f"\n{len(reports)} steps ({deep} deep), {modules} FSDP modules, flushed every {args.flush_every} steps, "
+          f"{args.rounds} round(s)\n")
     print("| exporter | background CPU per step | output per step |")
     print("|---|---|---|")
-    for name, cpu, out in rows:
-        print(f"| {name} | {cpu * 1e3:.2f} ms | {out} |")
+    for name in names:
+        values = sorted(cpu[name])
+        median = values[len(values) // 2]
+        spread = f" ({values[0] * 1e3:.2f}-{values[-1] * 1e3:.2f})" if len(values) > 1 else ""
+        print(f"| {name} | {median * 1e3:.2f} ms{spread} | {out[name]} |")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def __getattr__(name: str) -> Any:
 
 #: what importing the tracker says where torch is missing (a slim sidecar install)
 MISSING_TORCH = (
-    "the fsdp_mem_otel tracker needs PyTorch (2.11 through 2.14): install it pinned first (e.g. pip install "
+    "the fsdp_mem_otel tracker needs PyTorch 2.13 or 2.14: install it pinned first (e.g. pip install "
     "torch==2.13.0), or pip install 'fsdp-mem-otel[torch]'. Without it only the sidecar, report, rules and "
     "dashboards commands work."
 )

@@ -23,16 +23,24 @@ commands:
 
 
 def demo(argv: Sequence[str]) -> int:
-    """Launch the demo's ranks under torchrun (gloo, CPU), after validating the options here."""
-    from fsdp_mem_otel.demo import add_demo_args
+    """Launch the demo's ranks under torchrun (gloo, CPU), after validating the options and the
+    FSDP_MEM_OTEL_* environment here (the ranks read both, as a job does)."""
+    from fsdp_mem_otel.demo import add_demo_args, demo_configs
 
     p = argparse.ArgumentParser(
         prog="fsdp-mem-otel demo",
-        description="Run a real FSDP training on CPU (gloo, one process per rank) with the tracker on.",
+        description="Run a real FSDP training on CPU (gloo, one process per rank) with the tracker on, "
+                    "configured like a job: the FSDP_MEM_OTEL_* and OTEL_* environment (see the README's "
+                    "table), the options below overriding it.",
     )
     p.add_argument("--nproc", type=int, default=2, help="ranks to launch (default 2)")
     add_demo_args(p)
     args = p.parse_args(argv)
+    try:
+        demo_configs(args)
+    except (TypeError, ValueError) as exc:
+        print(f"fsdp-mem-otel demo: {exc}", file=sys.stderr)
+        return 2
     rank_args = list(argv)
     if "--nproc" in rank_args:  # the launcher's option, not the ranks'
         i = rank_args.index("--nproc")

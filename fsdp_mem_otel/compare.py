@@ -9,32 +9,39 @@ last step. Compared on the device with the largest peak (``jsonl_format.main_dev
   backward (``peak_backward``), max over calls and devices.
 
 Modules are matched by key; keys only one side has are listed apart. Deltas are ranked by size,
-largest growth first. ``render_text`` prints the tables, ``render_html_section`` gives the same
-as an HTML fragment for a report page.
+largest growth first. ``render_text`` prints the tables (each figure in the unit that fits it:
+B, KiB, MiB, GiB; ``exact=True``: bytes), ``render_html_section`` gives the same as an HTML
+fragment for a report page, ``to_dict`` the exact bytes as JSON-able data (``--json``).
 """
 
 from __future__ import annotations
 
 import argparse
 import html
+import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from fsdp_mem_otel.checks import int_at_least
 from fsdp_mem_otel.jsonl_format import main_device, read_reports
 from fsdp_mem_otel.schema import CATEGORY_KEYS, DEEP, PEAK_BACKWARD, PEAK_FORWARD, StepReport
+from fsdp_mem_otel.table import human_bytes, render_table, signed_bytes
 
 PHASES = ((PEAK_FORWARD, "forward"), (PEAK_BACKWARD, "backward"))
 
 
 @dataclass(frozen=True)
 class Delta:
-    """One compared figure: ``name`` (a category, or ``module / phase``), bytes in A and in B."""
+    """One compared figure: ``name`` (a category, or ``module / phase``), bytes in A and in B;
+    for a module, ``module`` and ``phase`` (``forward`` / ``backward``) too."""
 
     name: str
     a: int
     b: int
+    module: str | None = None
+    phase: str | None = None
 
     @property
     def delta(self) -> int:
@@ -92,13 +99,13 @@ def load_profile(path: str | Sequence[str], *, step: int | None = None, rank: in
     return Profile(label or path, report, main_device([report]))
 
 
-def module_peaks(report: StepReport) -> dict[str, int]:
-    """``"<module> / <phase>"`` -> the module's peak total in that phase (modules that ran it)."""
+def module_peaks(report: StepReport) -> dict[tuple[str, str], int]:
+    """(module, phase) -> the module's peak total in that phase (modules that ran it)."""
     out = {}
     for key, mod in report.modules.items():
         for state, phase in PHASES:
             if mod.snapshots.get(state):
-                out[f"{key} / {phase}"] = mod.peak_total(state)
+                out[(key, phase)] = mod.peak_total(state)
     return out
 
 
@@ -111,7 +118,7 @@ def compare(a: Profile, b: Profile) -> Comparison:
     cats_a, cats_b = a.report.peak.get(a.device, {}), b.report.peak.get(b.device, {})
     categories = [Delta(c, int(cats_a.get(c, 0)), int(cats_b.get(c, 0))) for c in CATEGORY_KEYS]
     mods_a, mods_b = module_peaks(a.report), module_peaks(b.report)
-    shared = [Delta(k, mods_a[k], mods_b[k]) for k in mods_a if k in mods_b]
+    shared = [Delta(f"{k[0]} / {k[1]}", mods_a[k], mods_b[k], k[0], k[1]) for k in mods_a if k in mods_b]
     keys_a, keys_b = set(a.report.modules), set(b.report.modules)
     return Comparison(a, b, _ranked(categories), _ranked(shared), sorted(keys_a - keys_b), sorted(keys_b - keys_a))
 
@@ -122,39 +129,44 @@ def compare_runs(a_path: str, b_path: str, *, step: int | None = None, rank: int
     return compare(load_profile(a_path, step=step, rank=rank), load_profile(b_path, step=step, rank=rank))
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.3f}"
-
-
-def _signed_mib(n: float) -> str:
-    return ("+" if n > 0 else "") + _mib(n)
-
-
 def _pct(d: Delta) -> str:
     r = d.ratio
     return "new" if r is None and d.b else ("" if r is None else f"{(r - 1) * 100:+.1f}%")
 
 
-def _rows(deltas: list[Delta], top: int | None) -> list[tuple[str, str, str, str, str]]:
+def _formats(exact: bool) -> tuple[Callable[[int], str], Callable[[int], str]]:
+    """How a figure and a change read: in the unit that fits each, or exact bytes."""
+    if exact:
+        return (lambda n: f"{n:,}"), (lambda n: f"{n:+,}" if n else "0")
+    return human_bytes, signed_bytes
+
+
+def _head(first: str, exact: bool) -> tuple[str, str, str, str, str]:
+    unit = " (bytes)" if exact else ""
+    return (first, f"A{unit}", f"B{unit}", f"B - A{unit}", "change")
+
+
+def _rows(deltas: list[Delta], top: int | None, exact: bool = False) -> list[tuple[str, str, str, str, str]]:
+    size, change = _formats(exact)
     shown = deltas if top is None else deltas[:top]
-    return [(d.name, _mib(d.a), _mib(d.b), _signed_mib(d.delta), _pct(d)) for d in shown]
+    return [(d.name, size(d.a), size(d.b), change(d.delta), _pct(d)) for d in shown]
 
 
-def _describe(p: Profile) -> str:
+def _describe(p: Profile, exact: bool = False) -> str:
     r = p.report
-    peak = _mib(r.peak_total(p.device))
-    return f"{p.label}: rank {r.rank}, step {r.step} ({r.mode}), {p.device}, step peak {peak} MiB"
+    peak = _formats(exact)[0](r.peak_total(p.device))
+    unit = " bytes" if exact else ""
+    return f"{p.label}: rank {r.rank}, step {r.step} ({r.mode}), {p.device}, step peak {peak}{unit}"
 
 
-def render_text(c: Comparison, top: int | None = 20) -> str:
-    """Plain-text tables: categories at the step peak, then module peaks, largest delta first."""
-    from fsdp_mem_otel.table import render_table
-
-    head = ("category", "A MiB", "B MiB", "B - A MiB", "change")
-    parts = [f"A = {_describe(c.a)}", f"B = {_describe(c.b)}", "",
-             "At the step peak, by category:", render_table(head, _rows(c.categories, None)), ""]
+def render_text(c: Comparison, top: int | None = 20, exact: bool = False) -> str:
+    """Plain-text tables: categories at the step peak, then module peaks, largest delta first.
+    Each figure in the unit that fits it (B, KiB, MiB, GiB), or with ``exact`` in bytes."""
+    parts = [f"A = {_describe(c.a, exact)}", f"B = {_describe(c.b, exact)}", "",
+             "At the step peak, by category:", render_table(_head("category", exact), _rows(c.categories, None, exact)),
+             ""]
     parts += [f"Module peaks (largest change first{'' if top is None else f', top {top}'}):",
-              render_table(("module / phase", *head[1:]), _rows(c.modules, top))]
+              render_table(_head("module / phase", exact), _rows(c.modules, top, exact))]
     if c.only_a or c.only_b:
         parts += ["", f"Modules only in A: {', '.join(c.only_a) or '-'}",
                   f"Modules only in B: {', '.join(c.only_b) or '-'}"]
@@ -165,7 +177,7 @@ def render_html_section(c: Comparison, top: int | None = 50) -> str:
     """The same as an HTML fragment (a ``<section>``) for a report page; everything escaped."""
 
     def table(title: str, first: str, rows: list[tuple[str, str, str, str, str]]) -> str:
-        head = "".join(f"<th>{html.escape(h)}</th>" for h in (first, "A MiB", "B MiB", "B - A MiB", "change"))
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in _head(first, False))
         body = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row) + "</tr>" for row in rows)
         return f"<h3>{html.escape(title)}</h3><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
@@ -180,8 +192,32 @@ def render_html_section(c: Comparison, top: int | None = 50) -> str:
     return "".join(parts)
 
 
+def to_dict(c: Comparison, top: int | None = None) -> dict[str, Any]:
+    """The comparison as JSON-able data, every figure in exact bytes (``fsdp-mem-otel compare --json``):
+    ``a`` / ``b`` (where each side comes from), ``categories`` (every category, ranked like the
+    table), ``modules`` (the ``top`` largest changes; None: all) with ``modules_total``, and the
+    modules only one side has."""
+
+    def side(p: Profile) -> dict[str, Any]:
+        r = p.report
+        return {"label": p.label, "rank": r.rank, "step": r.step, "mode": r.mode, "device": p.device,
+                "step_peak_bytes": int(r.peak_total(p.device))}
+
+    def delta(d: Delta) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": d.name}
+        if d.module is not None:
+            out.update(module=d.module, phase=d.phase)
+        out.update(a_bytes=d.a, b_bytes=d.b, delta_bytes=d.delta, ratio=d.ratio)
+        return out
+
+    modules = c.modules if top is None else c.modules[:top]
+    return {"a": side(c.a), "b": side(c.b), "categories": [delta(d) for d in c.categories],
+            "modules": [delta(d) for d in modules], "modules_total": len(c.modules),
+            "modules_only_in_a": list(c.only_a), "modules_only_in_b": list(c.only_b)}
+
+
 def compare_main(argv: Sequence[str] | None = None) -> int:
-    """``fsdp-mem-otel compare A B [--step N] [--rank R] [--top K]``."""
+    """``fsdp-mem-otel compare A B [--step N] [--rank R] [--top K] [--bytes | --json]``."""
     p = argparse.ArgumentParser(
         prog="fsdp-mem-otel compare",
         description="What grew between two memory profiles (JSONL runs, or an estimate and a run): per category "
@@ -193,11 +229,20 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
                    help="compare this step of both (default: each run's last deep step, else its last)")
     p.add_argument("--rank", type=int_at_least(0), default=0, help="the rank compared (default 0)")
     p.add_argument("--top", type=int_at_least(0), default=20, help="module rows shown (default 20; 0 = all)")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--bytes", action="store_true",
+                     help="every figure in exact bytes (default: each in the unit that fits it, B to GiB)")
+    out.add_argument("--json", action="store_true",
+                     help="print the comparison as JSON, every figure in exact bytes (--top applies to modules)")
     args = p.parse_args(argv)
     try:
         c = compare_runs(args.a, args.b, step=args.step, rank=args.rank)
     except (OSError, ValueError) as exc:
         print(f"fsdp-mem-otel compare: {exc}", file=sys.stderr)
         return 1
-    sys.stdout.write(render_text(c, top=args.top or None))
+    if args.json:
+        json.dump(to_dict(c, top=args.top or None), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render_text(c, top=args.top or None, exact=args.bytes))
     return 0

@@ -40,10 +40,11 @@ _ENV_FIELDS = {
 DEEP_WHEN_COMPILED = ("skip", "eager")
 #: The per-rank Prometheus endpoint's first port (a rank serves DEFAULT_BASE_PORT + LOCAL_RANK).
 DEFAULT_BASE_PORT = 9400
-#: module spans on one step in 100 (plus step 1, deep and aborted steps): at 100 FSDP modules a
-#: step with module spans is ~200 spans and ~0.5 MB of OTLP, one in 100 keeps the average near
-#: 3 spans and 7 KB per step; the step span (step-level breakdown) goes every exported step
-DEFAULT_MODULE_SPANS_EVERY = 100
+#: module spans on one step in 1000 (plus step 1 and aborted steps): at 100 FSDP modules a step
+#: with module spans is ~200 spans, ~0.5 MB of OTLP and ~100 ms of background CPU to build and
+#: encode, so one in 1000 keeps their share near 0.1 ms per step (benchmarks/exporter_cpu.py);
+#: the step span (step-level breakdown) goes every exported step
+DEFAULT_MODULE_SPANS_EVERY = 1000
 #: seconds between sidecar file rewrites at most: rendering costs a few ms at 100 modules, and
 #: Prometheus reads the file once per scrape interval (30 s in the example), not every step
 DEFAULT_SIDECAR_INTERVAL = 5.0
@@ -259,7 +260,7 @@ class ExportConfig:
         jsonl: path of the JSON-lines file; ``{rank}`` is replaced by the rank.
         jsonl_modules_every, jsonl_max_bytes, jsonl_backup_count, jsonl_compress: see ``JSONLConfig``.
         spans_every: OpenTelemetry spans for step 1 and every Nth step (when an OTLP endpoint is set).
-        module_spans_every: module spans on step 1, every Nth, deep and aborted steps.
+        module_spans_every: module spans on step 1, every Nth and aborted steps.
     """
 
     prometheus: bool = True

@@ -7,7 +7,7 @@ dispatch-bound (per-op overhead dominates, as on a GPU), with a large width comp
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +16,9 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
 
+from fsdp_mem_otel import env
 from fsdp_mem_otel.checks import int_at_least
+from fsdp_mem_otel.config import DEFAULT_BASE_PORT, ExportConfig, TrackerConfig
 
 
 class InnerLinear(nn.Linear):
@@ -156,20 +158,30 @@ def init_distributed() -> tuple[int, int]:
 
 
 def run_demo(argv: list[str] | None = None) -> int:
-    """Rank-side demo: train under the tracker, print progress and, on rank 0, per-module tables."""
+    """Rank-side demo: train under the tracker, print progress and, on rank 0, per-module tables.
+
+    Configured like a job (``FSDPMemoryTracker.from_env``): ``TrackerConfig.from_env`` and the
+    environment's exporters (``ExportConfig.from_env``: ``FSDP_MEM_OTEL_ESTIMATE``,
+    ``FSDP_MEM_OTEL_JSONL``, the OpenTelemetry endpoint, ...), the demo's flags overriding; see
+    ``demo_configs`` for the demo's own defaults."""
     import argparse
     import time
 
-    from fsdp_mem_otel.table import module_table, peak_table
+    from fsdp_mem_otel.exporters import build_exporters
+    from fsdp_mem_otel.table import human_bytes, module_table, peak_table
     from fsdp_mem_otel.tracker import FSDPMemoryTracker
 
     p = argparse.ArgumentParser(prog="fsdp_mem_otel.demo")
     add_demo_args(p)
     args = p.parse_args(argv)
+    tracker_config, export_config = demo_configs(args)
     rank, world = init_distributed()
     model, opt = build(args.blocks, args.width, WrapOptions(fsdp=args.fsdp))
-    exporters = _demo_exporters(args, rank, world)
-    tracker = FSDPMemoryTracker(model, opt, mode=args.mode, deep_every=args.deep_every, exporters=exporters)
+    tracker = FSDPMemoryTracker(model, opt, config=tracker_config)  # validate the model before opening ports
+    if tracker_config.enabled:  # FSDP_MEM_OTEL_ENABLED=0: no ports, no files, nothing measured
+        tracker.exporters = list(build_exporters(export_config))
+    if rank == 0:
+        _print_destinations(tracker_config, export_config, tracker.exporters, world)
     last_deep = None
     with tracker:
         t0 = time.perf_counter()
@@ -182,18 +194,22 @@ def run_demo(argv: list[str] | None = None) -> int:
             if rank == 0:
                 print(
                     f"[rank 0] step {report.step}/{args.steps} {report.mode:<5} loss {loss:.4f} "
-                    f"peak {report.peak_total() / 2**10:.1f} KiB ({time.perf_counter() - t0:.1f}s)",
+                    f"peak {human_bytes(report.peak_total())} ({time.perf_counter() - t0:.1f}s)",
                     flush=True,
                 )
     if rank == 0:
-        for rep in [r for r in (last_deep, report) if r is not None]:
+        # the last deep step (every byte labelled), then the last step unless that is the same one
+        shown = [last_deep] if last_deep is not None else []
+        if report is not last_deep:
+            shown.append(report)
+        for rep in shown:
             print(f"\nStep {rep.step} ({rep.mode} mode), FSDP{rep.fsdp_version}, rank 0 of {world}:")
             print(peak_table(rep))
             print()
             print(module_table(rep))
         print(f"\ntracker errors: {tracker.errors_total}")
-        if args.out:
-            files = " ".join(jsonl_path(args.out, r) for r in range(world))
+        if export_config.jsonl and tracker.exporters:
+            files = " ".join(export_config.jsonl_config(r).path for r in range(world))
             print(f"\nTo see this run as pictures: fsdp-mem-otel report {files} -o report.html", flush=True)
     tracker.close()
     dist.destroy_process_group()
@@ -202,41 +218,77 @@ def run_demo(argv: list[str] | None = None) -> int:
 
 def jsonl_path(out: str, rank: int) -> str:
     """RUN.jsonl -> RUN.rank<rank>.jsonl (a "{rank}" in ``out`` is filled in instead)."""
+    return jsonl_template(out).replace("{rank}", str(rank))
+
+
+def jsonl_template(out: str) -> str:
+    """``--out RUN.jsonl`` as ``FSDP_MEM_OTEL_JSONL`` would say it: ``RUN.rank{rank}.jsonl``."""
     if "{rank}" in out:
-        return out.format(rank=rank)
+        return out
     root, ext = os.path.splitext(out)
-    return f"{root}.rank{rank}{ext or '.jsonl'}"
+    return f"{root}.rank{{rank}}{ext or '.jsonl'}"
 
 
-def _demo_exporters(args: Any, rank: int, world: int) -> list[Any]:
-    exporters: list[Any] = []
-    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
-        from fsdp_mem_otel.exporters.otel import OTelSpanExporter
+#: What the demo does where neither the environment nor a flag says: deep every 5th step (the
+#: library: never), no per-rank Prometheus endpoint unless ``--port`` (the library: on, port 9400)
+#: and, when one is asked for, bound to loopback (the library: every address).
+DEMO_ENV_DEFAULTS = {
+    env.FSDP_MEM_OTEL_DEEP_EVERY: "5",
+    env.FSDP_MEM_OTEL_PROMETHEUS: "0",
+    env.FSDP_MEM_OTEL_PROMETHEUS_ADDR: "127.0.0.1",
+}
 
-        exporters.append(OTelSpanExporter(spans_every=args.deep_every or 1))
-        if rank == 0:
-            print("[rank 0] OpenTelemetry spans to the OTEL_EXPORTER_OTLP_ENDPOINT collector", flush=True)
+
+def demo_configs(args: Any, environ: Mapping[str, str] | None = None) -> tuple[TrackerConfig, ExportConfig]:
+    """The demo's tracker and exporter configuration: the job's (``TrackerConfig.from_env``,
+    ``ExportConfig.from_env``: every ``FSDP_MEM_OTEL_*`` variable), over ``DEMO_ENV_DEFAULTS``,
+    under the flags given: ``--mode``, ``--deep-every``, ``--port`` (Prometheus on, that base
+    port), ``--sidecar-dir``, ``--out`` (the JSONL path). Invalid values raise ``ValueError`` /
+    ``TypeError`` naming the variable or field."""
+    source = os.environ if environ is None else environ
+    merged = dict(DEMO_ENV_DEFAULTS)
+    merged.update({k: v for k, v in source.items() if v.strip()})  # an empty variable counts as unset
+    measure = {k: v for k, v in (("mode", args.mode), ("deep_every", args.deep_every)) if v is not None}
+    export: dict[str, Any] = {}
+    if args.port is not None:
+        export.update(prometheus=True, prometheus_port=args.port)
+    if args.sidecar_dir:
+        export["sidecar_dir"] = args.sidecar_dir
     if args.out:
-        from fsdp_mem_otel.exporters.jsonl import JSONLExporter
+        export["jsonl"] = jsonl_template(args.out)
+    return TrackerConfig.from_env(merged, **measure), ExportConfig.from_env(merged, **export)
 
-        exporters.append(JSONLExporter(jsonl_path(args.out, rank)))
-        if rank == 0:
-            paths = ", ".join(jsonl_path(args.out, r) for r in range(world))
-            print(f"[rank 0] step reports as JSON lines: {paths}", flush=True)
-    if args.port is not None or args.sidecar_dir:
-        from fsdp_mem_otel.config import DEFAULT_BASE_PORT
-        from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
 
-        exporters.append(PrometheusExporter(base_port=args.port or DEFAULT_BASE_PORT, addr="127.0.0.1",
-                                            http=args.port is not None, sidecar_dir=args.sidecar_dir))
-        if rank == 0:
-            if args.port is not None:
-                urls = ", ".join(f"http://127.0.0.1:{args.port + r}/metrics" for r in range(world))
-                print(f"[rank 0] Prometheus per rank: {urls}", flush=True)
-            if args.sidecar_dir:
-                print(f"[rank 0] sidecar files in {args.sidecar_dir}; serve them with: "
-                      f"fsdp-mem-otel serve --dir {args.sidecar_dir} --port {DEFAULT_BASE_PORT}", flush=True)
-    return exporters
+def _print_destinations(tracker_config: TrackerConfig, config: ExportConfig, exporters: list[Any],
+                        world: int) -> None:
+    """Rank 0 says how the run is measured and where its reports go."""
+    deep = "every step" if tracker_config.mode == "deep" else (
+        f"every {tracker_config.deep_every} steps" if tracker_config.deep_every else "never")
+    print(f"[rank 0] tracker: {tracker_config.mode} mode, deep {deep}"
+          f"{'' if tracker_config.enabled else ' (off: FSDP_MEM_OTEL_ENABLED)'}", flush=True)
+    kinds = {type(e).__name__ for e in exporters}
+    if "OTelSpanExporter" in kinds:
+        print(f"[rank 0] OpenTelemetry spans to the OTLP endpoint (spans every {config.spans_every} step(s), "
+              f"module spans every {config.module_spans_every})", flush=True)
+    if "JSONLExporter" in kinds and config.jsonl:
+        paths = ", ".join(config.jsonl_config(r).path for r in range(world))
+        print(f"[rank 0] step reports as JSON lines: {paths}", flush=True)
+    if "PrometheusExporter" in kinds:
+        if config.prometheus:
+            scheme = "https" if config.tls_certfile else "http"
+            host = "127.0.0.1" if config.prometheus_addr in ("0.0.0.0", "::", "") else config.prometheus_addr
+            urls = ", ".join(f"{scheme}://{host}:{config.prometheus_port + r}/metrics" for r in range(world))
+            print(f"[rank 0] Prometheus per rank: {urls}", flush=True)
+        if config.sidecar_dir:
+            print(f"[rank 0] sidecar files in {config.sidecar_dir}; serve them with: "
+                  f"fsdp-mem-otel serve --dir {config.sidecar_dir} --port {DEFAULT_BASE_PORT}", flush=True)
+    if config.estimate:
+        if "PrometheusExporter" in kinds:
+            print(f"[rank 0] the estimate in {config.estimate} is exported beside the measurement "
+                  "(fsdp_mem_estimate_step_peak_bytes, fsdp_mem_estimate_module_peak_bytes)", flush=True)
+        else:
+            print("[rank 0] FSDP_MEM_OTEL_ESTIMATE is set, but nothing exports it: add --port or --sidecar-dir "
+                  "(or FSDP_MEM_OTEL_PROMETHEUS=1)", flush=True)
 
 
 def add_demo_args(p: Any) -> None:
@@ -246,15 +298,19 @@ def add_demo_args(p: Any) -> None:
     p.add_argument("--blocks", type=int_at_least(1), default=4, help="residual blocks (default 4)")
     p.add_argument("--width", type=int_at_least(1), default=64, help="block width (default 64)")
     p.add_argument("--batch", type=int_at_least(1), default=32, help="batch size per rank (default 32)")
-    p.add_argument("--mode", choices=("light", "deep"), default="light", help="tracker mode (default light)")
-    p.add_argument("--deep-every", type=int_at_least(0), default=5,
-                   help="run every Nth step deep (default 5; 0 = never)")
+    p.add_argument("--mode", choices=("light", "deep"), default=None,
+                   help="tracker mode (default: FSDP_MEM_OTEL_MODE, else light)")
+    p.add_argument("--deep-every", type=int_at_least(0), default=None,
+                   help="run every Nth step deep (default: FSDP_MEM_OTEL_DEEP_EVERY, else 5; 0 = never)")
     p.add_argument("--port", type=int_at_least(1, 65535, "a TCP port (1-65535)"), default=None,
-                   help="serve Prometheus /metrics per rank on PORT + local rank (default: off)")
+                   help="serve Prometheus /metrics per rank on PORT + local rank (default: off, unless "
+                        "FSDP_MEM_OTEL_PROMETHEUS=1)")
     p.add_argument("--sidecar-dir", default=None,
-                   help="also write each rank's exposition to DIR/rank-<rank>.prom for `fsdp-mem-otel serve`")
+                   help="also write each rank's exposition to DIR/rank-<rank>.prom for `fsdp-mem-otel serve` "
+                        "(default: FSDP_MEM_OTEL_SIDECAR_DIR)")
     p.add_argument("--out", default=None,
-                   help="write every StepReport as JSON lines; RUN.jsonl becomes RUN.rank<N>.jsonl per rank")
+                   help="write every StepReport as JSON lines; RUN.jsonl becomes RUN.rank<N>.jsonl per rank "
+                        "(default: FSDP_MEM_OTEL_JSONL)")
 
 
 if __name__ == "__main__":

@@ -75,8 +75,9 @@ def check_path(name: str, value: object) -> str:
 
 
 def encode(report: StepReport) -> tuple[dict[str, Any], bytes]:
-    """``report`` as its dict and its data line (UTF-8, newline included)."""
-    data = report.to_dict()
+    """``report`` as its dict (sharing ``report``'s nested data: serialize, never modify it) and
+    its data line (UTF-8, newline included)."""
+    data = report.to_dict(copy=False)
     return data, (json.dumps(data, sort_keys=True) + "\n").encode("utf-8")
 
 

@@ -16,12 +16,17 @@ from fsdp_mem_otel.schema import (
 
 
 def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'."""
+    """In the unit that fits the value: 300 -> '300 B', 1536 -> '1.5 KiB', then MiB and GiB."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def signed_bytes(n: float) -> str:
+    """A change in the unit that fits it: 2048 -> '+2.0 KiB', -300 -> '-300 B', 0 -> '0 B'."""
+    return ("+" if n > 0 else "") + human_bytes(n)
 
 
 def _device(report: StepReport, device: str | None) -> str:

@@ -275,7 +275,7 @@ def test_without_torch_the_sidecar_works_and_the_tracker_says_what_to_install(tm
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert not [d for d in project["dependencies"] if d.split(">")[0].split("=")[0].strip() == "torch"]
-    assert project["optional-dependencies"]["torch"] == ["torch>=2.11,<2.15"]
+    assert project["optional-dependencies"]["torch"] == ["torch>=2.13,<2.15"]
 
 
 def test_real_scrape_of_the_sidecar_over_http(tmp_path: Path) -> None:

@@ -60,7 +60,7 @@ from fsdp_mem_otel.jsonl_format import (
     rotated_files,
     slot_files,
 )
-from fsdp_mem_otel.schema import DEEP, PEAK_BACKWARD, PEAK_FORWARD, StepReport
+from fsdp_mem_otel.schema import DEEP, PEAK_BACKWARD, PEAK_FORWARD, TOTAL, StepReport
 from fsdp_mem_otel.worker import BackgroundWorker
 
 # the file format lives in jsonl_format; these names stay importable from here
@@ -151,7 +151,7 @@ class JSONLExporter:
         self._worker: BackgroundWorker[StepReport] | None = None
         #: the last line with module snapshots: its step and its modules' peaks
         self._modules_step: int | None = None
-        self._module_peaks: dict[str, tuple[int, int]] = {}
+        self._module_peaks: dict[str, tuple[int, int, float, float]] = {}
         #: lines written without module snapshots (the budget), and with them
         self.lines_without_modules = 0
 
@@ -194,26 +194,50 @@ class JSONLExporter:
         self._close_file()
 
     # -- the worker's side -------------------------------------------------------------------
-    def _peaks(self, report: StepReport) -> dict[str, tuple[int, int]]:
-        return {k: (m.peak_total(PEAK_FORWARD), m.peak_total(PEAK_BACKWARD)) for k, m in report.modules.items()}
-
-    def _needs_modules(self, report: StepReport, peaks: dict[str, tuple[int, int]]) -> bool:
+    def _needs_modules(self, report: StepReport) -> bool:
+        """Whether ``report``'s line carries its module snapshots (see the class doc). It runs for
+        every line: the modules' peaks are compared, unrolled, with the tolerances kept from the
+        last line that carried them, and nothing is built unless one moved."""
+        last = self._module_peaks
         if (self._modules_step is None or report.step == 1 or report.step % self.config.modules_every == 0
-                or report.mode == DEEP or report.aborted is not None or peaks.keys() != self._module_peaks.keys()):
+                or report.mode == DEEP or report.aborted is not None or report.modules.keys() != last.keys()):
             return True
-        ratio = self.config.modules_change
-        for key, now in peaks.items():
-            for new, old in zip(now, self._module_peaks[key], strict=True):
-                if abs(new - old) > max(ratio * old, _MIN_CHANGE_BYTES):
-                    return True
+        for key, mod in report.modules.items():
+            old_fwd, old_bwd, fwd_tolerance, bwd_tolerance = last[key]
+            snaps = mod.snapshots
+            peak = 0  # ModuleReport.peak_total(PEAK_FORWARD), unrolled
+            for call in snaps.get(PEAK_FORWARD) or ():
+                for cats in call.values():
+                    total = cats.get(TOTAL, 0)
+                    if total > peak:
+                        peak = total
+            if abs(peak - old_fwd) > fwd_tolerance:
+                return True
+            peak = 0
+            for call in snaps.get(PEAK_BACKWARD) or ():
+                for cats in call.values():
+                    total = cats.get(TOTAL, 0)
+                    if total > peak:
+                        peak = total
+            if abs(peak - old_bwd) > bwd_tolerance:
+                return True
         return False
+
+    def _module_baseline(self, report: StepReport) -> dict[str, tuple[int, int, float, float]]:
+        """Per module of a line that carries them: its forward and backward peaks and how far each
+        may move before a line carries the snapshots again (``modules_change``, at least 64 KiB)."""
+        ratio = self.config.modules_change
+        out = {}
+        for key, mod in report.modules.items():
+            fwd, bwd = mod.peak_total(PEAK_FORWARD), mod.peak_total(PEAK_BACKWARD)
+            out[key] = (fwd, bwd, max(ratio * fwd, _MIN_CHANGE_BYTES), max(ratio * bwd, _MIN_CHANGE_BYTES))
+        return out
 
     def _starts_a_file(self, size: int) -> bool:
         return self._file is None or bool(self.max_bytes and self._size > 0 and self._size + size > self.max_bytes)
 
     def _write_report(self, report: StepReport) -> None:
-        peaks = self._peaks(report)
-        full = self._needs_modules(report, peaks)
+        full = self._needs_modules(report)
         if not full:
             sparse = copy.copy(report)
             sparse.modules, sparse.module_order, sparse.modules_from = {}, [], self._modules_step
@@ -231,7 +255,7 @@ class JSONLExporter:
             return
         self.lines_total += 1
         if full:
-            self._modules_step, self._module_peaks = report.step, peaks
+            self._modules_step, self._module_peaks = report.step, self._module_baseline(report)
         else:
             self.lines_without_modules += 1
         if self.index:

@@ -11,12 +11,21 @@ not "contains it end to end": FSDP2 finishes the root's post-backward before the
 (measured on torch 2.13), so the last block's backward span starts inside the root's and ends a
 few milliseconds after it. The OTel data model allows a child to outlive its parent.
 
-"When" is apart from "where", as in opentelemetry-python: spans go through the SDK's own
-``TracerProvider`` (never the global one) and a ``BatchSpanProcessor``, whose worker thread does
-all I/O. ``export()`` only puts the report on a bounded queue; a daemon thread builds the spans
-(about 0.2 ms per module call, too much for the training thread at 100 modules) and hands them to
-the processor, so neither span building nor a down or hanging collector ever holds up a training
-step. Full queues drop (ours counts it in ``errors_total``; the SDK's logs it).
+"When" is apart from "where", as in opentelemetry-python: spans go through a ``BatchSpanProcessor``
+of the exporter's own ``TracerProvider`` (never the global one), whose worker thread does all
+I/O. ``export()`` only puts the report on a bounded queue; a daemon thread builds the spans and
+hands them to the processor, so neither span building nor a down or hanging collector ever
+holds up a training step. Full queues drop (ours counts it in ``errors_total``; the SDK's logs
+it).
+
+The spans of a step are built as finished SDK ``ReadableSpan`` objects, with the provider's
+resource, id generator and sampler, not through the ``Tracer`` API: a report's spans are
+complete when it arrives (start, end, events, parents), and the Tracer's per-span locking and
+per-attribute validation cost as much as encoding them (measured at 100 modules,
+``benchmarks/exporter_cpu.py``). What differs from the Tracer: the sampler
+(``OTEL_TRACES_SAMPLER``) decides once per step, at the step span, and its module spans follow
+it; the ``OTEL_SPAN_*_LIMIT`` variables are not applied (a step span holds ~25 attributes, a
+module span ~5 events per call).
 
 Where spans go (the first that applies):
 
@@ -31,11 +40,13 @@ Where spans go (the first that applies):
 Sampling: ``spans_every=N`` exports step 1, then steps N, 2N, 3N, ... (the steps that
 ``deep_every=N`` runs deep, so the detailed steps get traces), and always a step that aborted
 (an OOM is the trace you want). Module spans and their state events (2M+1 spans and ~10M events
-for M FSDP modules) go only with step 1, every ``module_spans_every``-th step (default 100),
-deep steps and aborted steps; the other exported steps are the step span alone, with the
-step-level breakdown and ``fsdp.module_spans=false`` saying the budget left the modules out. At
-M=100 with the defaults that is about 3 spans and 7 KB of OTLP per step on average (tested in
-``tests/exporters/test_budgets.py``). The SDK sampler (``OTEL_TRACES_SAMPLER``) applies on top.
+for M FSDP modules, ~100 ms of background CPU to build and encode at M=100) go only with step 1,
+every ``module_spans_every``-th step (default 1000) and aborted steps (set it to ``deep_every``
+for the module spans of every deep step); the other exported steps are the step span alone,
+with the step-level breakdown and ``fsdp.module_spans=false`` saying the budget left the modules
+out. At M=100 with the defaults that is about 1.4 spans and 2 KB of OTLP per step on average
+(tested in ``tests/exporters/test_budgets.py``). The SDK sampler (``OTEL_TRACES_SAMPLER``)
+applies on top.
 
 Resource: ``service.name`` is the ``service_name`` argument if given, else ``OTEL_SERVICE_NAME``,
 else ``service.name`` from ``OTEL_RESOURCE_ATTRIBUTES``, else "fsdp-mem-otel". Other
@@ -95,19 +106,19 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import Event, ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     ConsoleSpanExporter,
     SpanExporter,
     SpanExportResult,
 )
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from fsdp_mem_otel import __version__, env
 from fsdp_mem_otel.config import DEFAULT_MODULE_SPANS_EVERY, OTelConfig
@@ -120,7 +131,6 @@ from fsdp_mem_otel.schema import (
     BEFORE_PRE_BACKWARD,
     BEFORE_PRE_FORWARD,
     CATEGORY_KEYS,
-    DEEP,
     FORWARD_STATES,
     PEAK_BACKWARD,
     PEAK_FORWARD,
@@ -184,6 +194,8 @@ def mem_attr(category: str) -> str:
 
 _PEAK_ATTRS = {c: peak_attr(c) for c in CATEGORY_KEYS}
 _MEM_ATTRS = {c: mem_attr(c) for c in CATEGORY_KEYS}
+_SCOPE = InstrumentationScope("fsdp_mem_otel", __version__)
+_UNSET = Status(StatusCode.UNSET)
 
 PASS_FORWARD = "forward"
 PASS_BACKWARD = "backward"
@@ -300,7 +312,8 @@ class _GuardedSpanExporter(SpanExporter):
 
 @dataclass
 class _Call:
-    """One forward or backward call of one module: the future span's interval and parent."""
+    """One forward or backward call of one module: the future span's interval, parent, context
+    and events."""
 
     key: str
     pass_: str
@@ -310,7 +323,8 @@ class _Call:
     complete: bool
     depth: int
     parent: _Call | None = None
-    span: Span | None = None
+    context: SpanContext | None = None
+    events: list[Event] = field(default_factory=list)
 
 
 class OTelSpanExporter:
@@ -321,8 +335,9 @@ class OTelSpanExporter:
         span_exporter: where spans go (default: from the environment, see ``default_span_exporter``;
             None there means the exporter is off).
         spans_every: export step 1 and every Nth step (plus every aborted step); N >= 1.
-        module_spans_every: module spans (with their state events) on step 1, every Nth step,
-            deep and aborted steps; the other exported steps get the step span only. N >= 1.
+        module_spans_every: module spans (with their state events) on step 1, every Nth step
+            (default 1000) and aborted steps; the other exported steps get the step span only.
+            N >= 1.
         service_name: ``service.name``; None (default): OTEL_SERVICE_NAME, else ``service.name`` in
             OTEL_RESOURCE_ATTRIBUTES, else "fsdp-mem-otel". Given, it wins over both.
         export_timeout: seconds one OTLP export request may take (default: the
@@ -390,7 +405,6 @@ class OTelSpanExporter:
         self._shutdown_timeout = shutdown_timeout or (export_timeout or DEFAULT_EXPORT_TIMEOUT) + 2.0
         self._guard: _GuardedSpanExporter | None = None
         self._provider: TracerProvider | None = None
-        self._tracer: trace.Tracer | None = None
         if inner is None:
             return  # off: nothing configured
         self._guard = _GuardedSpanExporter(inner, self._errors)
@@ -405,9 +419,8 @@ class OTelSpanExporter:
             max_export_batch_size=max_export_batch_size,
         )
         self._provider.add_span_processor(self._processor)
-        self._tracer = self._provider.get_tracer("fsdp_mem_otel", __version__)
-        # Spans are built off the training thread too (about 0.2 ms per module call, measured):
-        # export() only queues the report, which the tracker never touches again.
+        # Spans are built off the training thread too (~0.5 ms per module call with encoding,
+        # measured): export() only queues the report, which the tracker never touches again.
         self._worker: BackgroundWorker[StepReport] = BackgroundWorker(
             "spans", self._build, self._errors, max_items=max_pending_steps)
         at_exit(self.shutdown)
@@ -416,7 +429,7 @@ class OTelSpanExporter:
     @property
     def enabled(self) -> bool:
         """False when no span exporter is configured (export() does nothing)."""
-        return self._tracer is not None
+        return self._provider is not None
 
     @property
     def errors_total(self) -> int:
@@ -434,15 +447,15 @@ class OTelSpanExporter:
         return step == 1 or step % self.spans_every == 0 or report.aborted is not None
 
     def wants_modules(self, report: StepReport) -> bool:
-        """Whether ``report``'s module spans go with its step span (``module_spans_every``)."""
+        """Whether ``report``'s module spans go with its step span: step 1, every
+        ``module_spans_every``-th step and aborted steps."""
         step = report.step
-        return (step == 1 or step % self.module_spans_every == 0 or report.mode == DEEP
-                or report.aborted is not None)
+        return step == 1 or step % self.module_spans_every == 0 or report.aborted is not None
 
     # -- Exporter protocol -------------------------------------------------------------------
     def export(self, report: StepReport) -> None:
         """Queue ``report`` for the span-building thread: O(1), never raises, never waits."""
-        if self._tracer is None or self._closed:
+        if self._provider is None or self._closed:
             return
         try:
             if not self.wants(report):
@@ -514,21 +527,35 @@ class OTelSpanExporter:
 
     # -- span building -----------------------------------------------------------------------
     def _emit(self, report: StepReport) -> None:
-        tracer = self._tracer
-        assert tracer is not None
+        provider = self._provider
+        assert provider is not None
         start = int(report.start_time_ns) or int(report.end_time_ns) or time.time_ns()
         end = max(int(report.end_time_ns) or time.time_ns(), start)
         with_modules = self.wants_modules(report)
         attributes = self._step_attributes(report)
         attributes[ATTR_MODULE_SPANS] = with_modules
-        step_span = tracer.start_span(SPAN_STEP, kind=SpanKind.INTERNAL, start_time=start, attributes=attributes)
-        calls: list[_Call] = []
-        try:
-            step_ctx = trace.set_span_in_context(step_span)
-            calls = _calls(report, end) if with_modules else []
-            for call in calls:  # sorted so a parent's span exists before its children's
-                parent = call.parent.span if call.parent is not None else None
-                ctx = step_ctx if parent is None else trace.set_span_in_context(parent)
+        ids = provider.id_generator
+        trace_id = ids.generate_trace_id()
+        sampling = provider.sampler.should_sample(None, trace_id, SPAN_STEP, SpanKind.INTERNAL, attributes)
+        if not sampling.decision.is_sampled():
+            return  # OTEL_TRACES_SAMPLER left this step out: none of its spans is exported
+        if sampling.attributes:
+            attributes.update(sampling.attributes)
+        flags = TraceFlags(TraceFlags.SAMPLED | (_RANDOM_TRACE_ID if ids.is_trace_id_random() else 0))
+
+        def context() -> SpanContext:
+            return SpanContext(trace_id, ids.generate_span_id(), is_remote=False, trace_flags=flags,
+                               trace_state=sampling.trace_state)
+
+        step_ctx = context()
+        step_events: list[Event] = []
+        spans: list[ReadableSpan] = []
+        if with_modules:
+            calls = _calls(report, end)  # sorted so a parent's context exists before its children's
+            for call in calls:
+                call.context = context()
+            self._add_snapshot_events(report, calls, step_events)
+            for call in reversed(calls):  # children first, as spans end
                 name = f"{SPAN_FORWARD if call.pass_ == PASS_FORWARD else SPAN_BACKWARD} {call.key}"
                 attrs: dict[str, Any] = {ATTR_MODULE: call.key, ATTR_PASS: call.pass_, ATTR_CALL: call.index}
                 if not call.complete:
@@ -536,20 +563,22 @@ class OTelSpanExporter:
                 peak_state = PEAK_FORWARD if call.pass_ == PASS_FORWARD else PEAK_BACKWARD
                 peaks = report.modules[call.key].snapshots.get(peak_state, [])
                 if call.index < len(peaks):
-                    attrs[_PEAK_ATTRS[TOTAL]] = max((c.get(TOTAL, 0) for c in peaks[call.index].values()), default=0)
-                call.span = tracer.start_span(name, context=ctx, kind=SpanKind.INTERNAL, start_time=call.start,
-                                              attributes=attrs)
-            if with_modules:
-                self._add_snapshot_events(report, calls, step_span)
-            for dev, cats in report.peak.items():
-                step_span.add_event(EVENT_PEAK, {ATTR_DEVICE: dev, **_mem(cats)}, timestamp=end)
-            if report.aborted is not None:
-                step_span.set_status(Status(StatusCode.ERROR, f"{report.aborted.error}: {report.aborted.message}"))
-        finally:  # end whatever was started, children first, even after a failure half-way
-            for call in reversed(calls):
-                if call.span is not None:
-                    call.span.end(end_time=call.end)
-            step_span.end(end_time=end)
+                    attrs[_PEAK_ATTRS[TOTAL]] = max((int(c.get(TOTAL, 0)) for c in peaks[call.index].values()),
+                                                    default=0)
+                parent = call.parent.context if call.parent is not None else step_ctx
+                spans.append(ReadableSpan(name, call.context, parent, self.resource, attrs, tuple(call.events),
+                                          kind=SpanKind.INTERNAL, start_time=call.start, end_time=call.end,
+                                          instrumentation_scope=_SCOPE))
+        for dev, cats in report.peak.items():
+            step_events.append(Event(EVENT_PEAK, {ATTR_DEVICE: str(dev), **_mem(cats)}, timestamp=end))
+        status = _UNSET
+        if report.aborted is not None:
+            status = Status(StatusCode.ERROR, f"{report.aborted.error}: {report.aborted.message}")
+        spans.append(ReadableSpan(SPAN_STEP, step_ctx, None, self.resource, attributes, tuple(step_events),
+                                  kind=SpanKind.INTERNAL, status=status, start_time=start, end_time=end,
+                                  instrumentation_scope=_SCOPE))
+        for span in spans:
+            self._processor.on_end(span)
 
     def _step_attributes(self, report: StepReport) -> dict[str, Any]:
         attrs: dict[str, Any] = {
@@ -563,20 +592,20 @@ class OTelSpanExporter:
         if report.peak:
             devices = sorted(report.peak)
             main = max(devices, key=lambda d: report.peak[d].get(TOTAL, 0))
-            attrs[ATTR_DEVICE] = main
-            attrs[ATTR_DEVICES] = devices
+            attrs[ATTR_DEVICE] = str(main)
+            attrs[ATTR_DEVICES] = tuple(str(d) for d in devices)
             for cat, value in report.peak[main].items():
                 if cat in _PEAK_ATTRS:
                     attrs[_PEAK_ATTRS[cat]] = int(value)
         if report.warnings:
-            attrs[ATTR_WARNINGS] = list(report.warnings)
+            attrs[ATTR_WARNINGS] = tuple(str(w) for w in report.warnings)
         if report.aborted is not None:
             a = report.aborted
-            attrs.update({ATTR_ABORTED_ERROR: a.error, ATTR_ABORTED_OOM: bool(a.oom), ATTR_ABORTED_MODULE: a.module,
-                          ATTR_ABORTED_STATE: a.state})
+            attrs.update({ATTR_ABORTED_ERROR: str(a.error), ATTR_ABORTED_OOM: bool(a.oom),
+                          ATTR_ABORTED_MODULE: str(a.module), ATTR_ABORTED_STATE: str(a.state)})
         return attrs
 
-    def _add_snapshot_events(self, report: StepReport, calls: list[_Call], step_span: Span) -> None:
+    def _add_snapshot_events(self, report: StepReport, calls: list[_Call], step_events: list[Event]) -> None:
         """Each snapshot becomes an event, in time order, on its own module's span of the same pass
         holding its time; else (activation-checkpoint recompute runs just before the module's
         backward) on the innermost span open at that time, else on the step span; those two carry
@@ -586,23 +615,27 @@ class OTelSpanExporter:
             by_key.setdefault(call.key, []).append(call)
         fallback_time = int(report.end_time_ns) or time.time_ns()
         order = {state: n for n, state in enumerate(STATES)}
-        events: list[tuple[int, int, str, str, int, DeviceBreakdown]] = []
+        snapshots: list[tuple[int, int, str, str, int, DeviceBreakdown]] = []
         for key, mod in report.modules.items():
             for state, snaps in mod.snapshots.items():
                 times = mod.times.get(state, [])
                 for i, breakdown in enumerate(snaps):
                     t = int(times[i]) if i < len(times) else fallback_time
-                    events.append((t, order.get(state, len(order)), state, key, i, breakdown))
-        events.sort(key=lambda ev: ev[:2])
-        for t, _, state, key, i, breakdown in events:
+                    snapshots.append((t, order.get(state, len(order)), state, key, i, breakdown))
+        snapshots.sort(key=lambda ev: ev[:2])
+        for t, _, state, key, i, breakdown in snapshots:
             holder = _containing(by_key.get(key, []), state, t)
             extra: dict[str, Any] = {}
             if holder is None:
                 holder = _innermost(calls, t)
                 extra = {ATTR_MODULE: key, ATTR_CALL: i}
-            span = holder.span if holder is not None and holder.span is not None else step_span
+            target = holder.events if holder is not None else step_events
             for dev, cats in breakdown.items():
-                span.add_event(state, {ATTR_DEVICE: dev, **_mem(cats), **extra}, timestamp=t)
+                target.append(Event(str(state), {ATTR_DEVICE: str(dev), **_mem(cats), **extra}, timestamp=t))
+
+
+#: W3C Trace Context level 2's random-trace-id flag, as the SDK's Tracer sets it (newer APIs only)
+_RANDOM_TRACE_ID = int(getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
 
 
 def _mem(cats: Mapping[str, int]) -> dict[str, int]:

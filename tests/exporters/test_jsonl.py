@@ -460,3 +460,56 @@ def test_index_can_be_turned_off(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == ["run.jsonl"]
     with pytest.raises(TypeError):
         JSONLExporter(path, index=1, modules_every=1)  # type: ignore[arg-type]
+
+
+def test_lines_carry_module_snapshots_where_a_module_peak_moved(tmp_path: Path) -> None:
+    """The budget's change rule, step by step: a line carries the module snapshots when a module's
+    forward or backward peak (max over calls and devices) moved by more than 5% and 64 KiB since
+    the last line that carried them."""
+    from fsdp_mem_otel.schema import PEAK_BACKWARD, PEAK_FORWARD
+
+    mib, kib = 2**20, 2**10
+
+    def report(step: int, peaks: dict[str, tuple[list[int], int]]) -> StepReport:
+        r = make_report(step, n_modules=1)
+        r.modules = {}
+        for key, (forward_calls, backward) in peaks.items():
+            mod = ModuleReport({s: [{"cuda:0": {"total": 1}}] for s in STATES}, {s: [step] for s in STATES})
+            # one call per forward total, the larger on another device
+            mod.snapshots[PEAK_FORWARD] = [{"cuda:0": {"total": 7}, "cuda:1": {"total": t}} for t in forward_calls]
+            mod.snapshots[PEAK_BACKWARD] = [{"cuda:0": {"total": backward}}]
+            r.modules[key] = mod
+        r.module_order = list(peaks)
+        return r
+
+    big, small = "layers.0", "layers.1"
+    steps = [
+        {big: ([10 * mib], 20 * mib), small: ([100 * kib], 100 * kib)},  # 1: the first line
+        {big: ([10 * mib + 400 * kib], 20 * mib), small: ([100 * kib], 100 * kib)},  # 2: +400 KiB < 5%
+        {big: ([10 * mib + 600 * kib], 20 * mib), small: ([100 * kib], 100 * kib)},  # 3: +600 KiB > 5%
+        {big: ([10 * mib + 600 * kib], 20 * mib - 1100 * kib), small: ([100 * kib], 100 * kib)},  # 4: backward
+        {big: ([10 * mib + 600 * kib], 20 * mib - 1100 * kib), small: ([150 * kib], 100 * kib)},  # 5: +50 KiB
+        {big: ([10 * mib + 600 * kib], 20 * mib - 1100 * kib), small: ([170 * kib], 100 * kib)},  # 6: +70 KiB
+        {big: ([10 * mib + 600 * kib, 12 * mib], 20 * mib - 1100 * kib),  # 7: a second, larger call
+         small: ([170 * kib], 100 * kib)},
+        {big: ([12 * mib, 10 * mib], 20 * mib - 1100 * kib), small: ([170 * kib], 100 * kib)},  # 8: same max
+        {big: ([12 * mib, 10 * mib], 20 * mib - 1100 * kib)},  # 9: a module gone
+    ]
+    reports = [report(i, peaks) for i, peaks in enumerate(steps, 1)]
+    path = tmp_path / "run.jsonl"
+    exp = JSONLExporter(path, modules_every=1000)
+    export_all(exp, reports)
+    exp.shutdown()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [x["step"] for x in lines if "modules_from" not in x] == [1, 3, 4, 6, 7, 9]
+    assert [x.get("modules_from") for x in lines] == [None, 1, None, None, 4, None, None, 7, None]
+    for got, sent in zip(read_reports(path), reports, strict=True):  # filled in from the carrying line
+        source = reports[got.modules_from - 1] if got.modules_from is not None else sent
+        assert got.to_dict()["modules"] == source.to_dict()["modules"]
+
+
+def test_a_line_is_the_reports_json() -> None:
+    for report in (make_report(3), make_report(4, aborted=True)):
+        _, line = jsonl_format.encode(report)
+        assert line == (json.dumps(report.to_dict(), sort_keys=True) + "\n").encode()
+        assert json.loads(line) == report.to_dict()

@@ -222,7 +222,7 @@ def test_spans_every_and_aborted_steps() -> None:
     assert open_call["end"] == last["end"]
 
 
-def test_module_spans_on_first_sampled_deep_and_aborted_steps() -> None:
+def test_module_spans_on_first_sampled_and_aborted_steps() -> None:
     abort = StepAbort("OutOfMemoryError", "CUDA out of memory", True, "layers.0", "before_pre_backward", b(999))
     reports = [nested_report(step) for step in range(1, 12)] + [nested_report(12, abort)]
     reports[6].mode = "deep"  # step 7
@@ -238,7 +238,7 @@ def test_module_spans_on_first_sampled_deep_and_aborted_steps() -> None:
 
     budgeted, full = traces(spans), traces(every)
     assert sorted(budgeted) == list(range(1, 13))  # every step has its step span (spans_every=1)
-    with_modules = {1, 5, 7, 10, 12}  # first, every 5th, the deep one, the aborted one
+    with_modules = {1, 5, 10, 12}  # first, every 5th, the aborted one; a deep step (7) is no exception
     for step, trace in budgeted.items():
         span = next(x for x in trace if x["name"] == "fsdp.step")
         assert span["attributes"]["fsdp.module_spans"] is (step in with_modules)
@@ -252,6 +252,23 @@ def test_module_spans_on_first_sampled_deep_and_aborted_steps() -> None:
             assert [e["name"] for e in span["events"]] == ["peak"]
     with pytest.raises(ValueError, match="module_spans_every"):
         OTelSpanExporter(IDENTITY, module_spans_every=0)
+
+
+def test_the_sdk_sampler_decides_per_step_and_keeps_traces_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    reports = [nested_report(step) for step in range(1, 41)]
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    exp, spans = export_spans(*reports)
+    assert spans == [] and exp.errors_total == 0
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.5")
+    exp, spans = export_spans(*reports)
+    traces: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for x in spans:
+        traces[x["trace_id"]].append(x)
+    assert 0 < len(traces) < len(reports)  # 40 steps at 1/2: some in, some out (odds 2 x 2^-40 otherwise)
+    for trace in traces.values():  # a sampled step keeps all of its spans: step span and 6 module spans
+        assert len(trace) == 7 and sum(x["name"] == "fsdp.step" for x in trace) == 1
+    assert exp.errors_total == 0
 
 
 class Failing(SpanExporter):
