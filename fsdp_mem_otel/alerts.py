@@ -131,6 +131,12 @@ class RuleConfig:
     stalled_for: str = "5m"
     #: FsdpMemRankDown: the sidecar flags the rank's file stale for this long
     rank_down_for: str = "5m"
+    #: FsdpMemRankLost / FsdpMemJobRanksLost: a rank the sidecar served within ``lost_window`` has
+    #: had no sample for ``lost_after`` and recorded no clean end, for ``lost_for``. The window is
+    #: how long the rules remember a rank (the alert resolves by itself that long after the loss).
+    lost_window: str = "1h"
+    lost_after: str = "2m"
+    lost_for: str = "3m"
     #: FsdpMemTrackerErrors / FsdpMemSidecarReadErrors: errors within this window
     errors_window: str = "15m"
     errors_for: str = "5m"
@@ -343,7 +349,9 @@ def alert_rules(cfg: RuleConfig | None = None) -> list[dict[str, Any]]:
         _alert(
             "FsdpMemTrainingStalled",
             f"time() - max by ({_by(RANK)}) ({cat.LAST_STEP_TIMESTAMP_SECONDS.name}) > "
-            f"{_seconds(c.stalled_after)}\n",
+            f"{_seconds(c.stalled_after)}\n"
+            f"unless on ({_by(RANK)})\n"
+            f"{_per_rank(cat.RANK_END_TIMESTAMP_SECONDS.name)}\n",
             c.stalled_for, "warning",
             f"{rank} closed no training step for {c.stalled_after}",
             f"{rank} last closed a step {{{{ $value | humanizeDuration }}}} ago. Its metrics are still "
@@ -366,6 +374,7 @@ def alert_rules(cfg: RuleConfig | None = None) -> list[dict[str, Any]]:
             "node. A dead rank usually takes the whole job down with it; if the job keeps running, the "
             "other ranks are blocked in a collective.",
         ),
+        *_lost_alerts(c),
         _alert(
             "FsdpMemTrackerErrors",
             f"sum by ({_by((*RANK, 'component'))}) (increase({cat.ERRORS_TOTAL.name}[{c.errors_window}])) > 0\n",
@@ -391,6 +400,69 @@ def alert_rules(cfg: RuleConfig | None = None) -> list[dict[str, Any]]:
             "fsdp-mem-otel version in the two images.",
         ),
     ]
+
+
+def lost_expressions(c: RuleConfig) -> dict[str, str]:
+    """The PromQL pieces of the lost-rank alerts, per rank (namespace, job_name, rank):
+
+    - ``seen``: served by a sidecar within ``lost_window`` (with the ``node`` of its tracker_info);
+    - ``alive``: a sample within ``lost_after``;
+    - ``clean``: a clean end recorded within ``lost_window``, and no step closed after it (a later
+      run under the same job name that is lost in turn is not covered by the earlier clean end);
+    - ``lost``: seen, not alive, not clean.
+
+    Ranks scraped only on their own port are left out: their end cannot outlive their process."""
+    w, a = c.lost_window, c.lost_after
+    info, end = cat.TRACKER_INFO.name, cat.RANK_END_TIMESTAMP_SECONDS.name
+    on = f"on ({_by(RANK)})"
+    clean_end = f'max by ({_by(RANK)}) (max_over_time({end}{{reason="{cat.END_CLEAN}"}}[{w}]))'
+    seen = (f"max by ({_by((*RANK, 'node'))}) (max_over_time({info}[{w}]))\n"
+            f"and {on}\n"
+            f"max by ({_by(RANK)}) (max_over_time({cat.SIDECAR_RANK_LAST_UPDATE.name}[{w}]))\n")
+    alive = f"max by ({_by(RANK)}) (present_over_time({info}[{a}]))\n"
+    clean = (f"{clean_end}\nunless {on}\n"
+             f"(\n  max by ({_by(RANK)}) (max_over_time({cat.LAST_STEP_TIMESTAMP_SECONDS.name}[{w}]))\n"
+             f"  > {on}\n  {clean_end}\n)\n")
+    lost = f"(\n{_indent(seen)})\nunless {on}\n{alive}unless {on}\n(\n{_indent(clean)})\n"
+    return {"seen": seen, "alive": alive, "clean": clean, "lost": lost}
+
+
+def _lost_alerts(c: RuleConfig) -> list[dict[str, Any]]:
+    job = "{{ $labels.namespace }}/{{ $labels.job_name }}"
+    rank = job + " rank {{ $labels.rank }}"
+    lost = lost_expressions(c)["lost"]
+    return [
+        _alert(
+            "FsdpMemRankLost",
+            lost,
+            c.lost_for, "critical",
+            f"{rank} on node {{{{ $labels.node }}}} is gone without a clean end",
+            f"No metrics of {rank} (node {{{{ $labels.node }}}}) for {c.lost_after} or more, and it recorded no "
+            "clean end: its node, pod or sidecar was lost, its process was killed, or it ended by SIGTERM "
+            "(preemption) or an error.",
+            "Check the node (kubectl get node, its conditions and events), the pod's events and exit codes, and "
+            "the rank's last values (fsdp_mem_step_peak_bytes, fsdp_mem_last_oom_*: an OOM kill leaves no end). "
+            f'fsdp_mem_rank_end_timestamp_seconds{{reason="{cat.END_SIGTERM}"}} means it was preempted or '
+            f'evicted, reason="{cat.END_ERROR}" that it failed; no end at all, that the process or node '
+            f'vanished. A rank that finished normally records reason="{cat.END_CLEAN}" and never raises this; '
+            "ranks scraped only on their own port (no sidecar) are not covered.",
+        ),
+        _alert(
+            "FsdpMemJobRanksLost",
+            f"count by ({_by(JOB)}) (group by ({_by(RANK)}) (\n{_indent(lost)}))\n",
+            c.lost_for, "warning",
+            f"{job} lost ranks without a clean end",
+            f"{{{{ $value }}}} of the ranks {job} had within the last {c.lost_window} are gone without a clean "
+            f"end (no metrics for {c.lost_after}): its rank count fell below its recent maximum. "
+            "FsdpMemRankLost names each rank and its node.",
+            "Find the node(s) in FsdpMemRankLost. The surviving ranks usually hang in a collective until its "
+            "timeout: restart the job from its last checkpoint once the node is replaced or cordoned.",
+        ),
+    ]
+
+
+def _indent(text: str) -> str:
+    return "".join("  " + line + "\n" for line in text.splitlines())
 
 
 def _seconds(duration: str) -> str:

@@ -41,7 +41,9 @@ SCOPE_DETAIL = "detail"
 SCOPE_SIDECAR = "sidecar"
 #: only with an estimate (``fsdp-mem-otel estimate``): 2 series per module and 12 others
 SCOPE_ESTIMATE = "estimate"
-SCOPES: tuple[str, ...] = (SCOPE_RANK, SCOPE_MODULE, SCOPE_DETAIL, SCOPE_SIDECAR, SCOPE_ESTIMATE)
+#: only in a rank's last exposition, once its exporter shut down: how the rank ended (1 series)
+SCOPE_END = "end"
+SCOPES: tuple[str, ...] = (SCOPE_RANK, SCOPE_MODULE, SCOPE_DETAIL, SCOPE_SIDECAR, SCOPE_ESTIMATE, SCOPE_END)
 
 #: labels from Identity.labels() on every series of a rank (pod/namespace only when known)
 IDENTITY_LABELS: tuple[str, ...] = ("job_name", "rank", "local_rank", "world_size")
@@ -60,6 +62,11 @@ PHASES: tuple[str, ...] = ("forward", "backward")
 COMPONENT_TRACKER = "tracker"
 COMPONENT_EXPORTER = "exporter"
 COMPONENTS: tuple[str, ...] = (COMPONENT_TRACKER, COMPONENT_EXPORTER)
+#: values of the ``reason`` label of rank_end_timestamp_seconds: why the rank's exporter shut down
+END_CLEAN = "clean"  # tracker.close(), interpreter exit, a framework's end-of-training hook
+END_SIGTERM = "sigterm"  # SIGTERM: preemption, eviction, torchrun stopping the workers
+END_ERROR = "error"  # an uncaught exception, or a framework's exception hook
+END_REASONS: tuple[str, ...] = (END_CLEAN, END_SIGTERM, END_ERROR)
 
 
 @dataclass(frozen=True)
@@ -252,8 +259,16 @@ STEP_DEEP = Metric(
 )
 TRACKER_INFO = Metric(
     "fsdp_mem_tracker_info", GAUGE, "",
-    "Always 1; labels say the FSDP generation and the fsdp_mem_otel version.",
-    ("fsdp_version", "version"), source="fsdp_version",
+    "Always 1; labels say the FSDP generation, the fsdp_mem_otel version and the node the rank runs on "
+    "(NODE_NAME, else the host name).",
+    ("fsdp_version", "version", "node"), source="fsdp_version",
+)
+RANK_END_TIMESTAMP_SECONDS = Metric(
+    "fsdp_mem_rank_end_timestamp_seconds", GAUGE, SECONDS,
+    "Unix time at which the rank's exporter shut down, by reason: clean (tracker.close(), interpreter exit, a "
+    "framework's end-of-training hook), sigterm (SIGTERM: preemption, eviction), error (an uncaught exception or "
+    "a framework's exception hook). Absent while the rank runs.",
+    ("reason",), scope=SCOPE_END,
 )
 
 ABORTED_STEPS_TOTAL = Metric(
@@ -272,6 +287,12 @@ SETUP_WARNING = Metric(
     "optimizer stepped with gradients present and holds no state, so optimizer_state reads 0), "
     "kind=nothing_sharded (a multi-rank job whose FSDP shard groups all have one rank).",
     ("kind",), source="warnings",
+)
+LIGHT_FALLBACK_GROUPS = Metric(
+    "fsdp_mem_light_fallback_groups", GAUGE, "",
+    "FSDP groups light mode accounts per tensor because their own events cannot tell their buffers' bytes "
+    "(a parameter with a gradient in some steps only, all-gather extensions); 0 on every tested configuration.",
+    source="fallback_groups",
 )
 LAST_OOM_TIMESTAMP_SECONDS = Metric(
     "fsdp_mem_last_oom_timestamp_seconds", GAUGE, SECONDS,
@@ -367,9 +388,11 @@ METRICS: tuple[Metric, ...] = (
     STEP_DURATION_SECONDS,
     STEP_DEEP,
     TRACKER_INFO,
+    RANK_END_TIMESTAMP_SECONDS,
     ABORTED_STEPS_TOTAL,
     DEEP_STEPS_SKIPPED_TOTAL,
     SETUP_WARNING,
+    LIGHT_FALLBACK_GROUPS,
     LAST_OOM_TIMESTAMP_SECONDS,
     LAST_OOM_BYTES,
     LAST_OOM_OUTSIDE_PYTORCH_BYTES,
@@ -415,10 +438,11 @@ def by_scope(scope: str | None = None) -> tuple[Metric, ...]:
     return tuple(m for m in METRICS if scope is None or m.scope == scope)
 
 
-def exported_names(detail: bool = False, estimate: bool = False) -> tuple[str, ...]:
+def exported_names(detail: bool = False, estimate: bool = False, ended: bool = False) -> tuple[str, ...]:
     """Names a rank's exporter can emit (``detail``: with the detail series, ``estimate``: with an
-    estimate given)."""
+    estimate given, ``ended``: once it shut down)."""
     scopes = (SCOPE_RANK, SCOPE_MODULE) + ((SCOPE_DETAIL,) if detail else ()) + ((SCOPE_ESTIMATE,) if estimate else ())
+    scopes += (SCOPE_END,) if ended else ()
     return tuple(m.name for m in METRICS if m.scope in scopes)
 
 

@@ -102,3 +102,14 @@ def seconds_above_zero(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value}")
     return value
+
+
+def seconds_at_least_zero(text: str) -> float:
+    """An argparse ``type``: a number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {value}")
+    return value

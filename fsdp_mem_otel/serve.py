@@ -18,6 +18,15 @@ so the ranks' 10 s heartbeats cost a read, not a parse; what is kept is the file
 parsed objects. A directory it cannot list sets ``fsdp_mem_sidecar_directory_readable`` to 0 and
 leaves the ranks it knew, stale.
 
+A rank that ended (its exporter shut down and wrote ``fsdp_mem_rank_end_timestamp_seconds{reason}``
+into its last file) is not stale: its last file is served, end included, for ``--ended-seconds``
+after it was written, then left out, so the rank's series end with its end on record. On SIGTERM
+the server keeps answering until every ended rank's last file has been scraped once (at most
+``--drain-seconds``; a Kubernetes pod's sidecar is stopped right after training exits, before
+the next scrape would come), waiting up to ``DRAIN_SETTLE_SECONDS`` for ranks still live to
+write their end (containers stopped together). A restarted server reads the same files and
+serves the same series and counter values: nothing resets.
+
 Does not import torch: the sidecar container needs only prometheus_client.
 """
 
@@ -41,7 +50,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 
 from fsdp_mem_otel import catalog as cat
-from fsdp_mem_otel.checks import check_tls, int_at_least, seconds_above_zero
+from fsdp_mem_otel.checks import check_tls, int_at_least, seconds_above_zero, seconds_at_least_zero
 from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.http_server import CONTENT_TYPE, MetricsServer, ssl_context
 from fsdp_mem_otel.rank_files import rank_of
@@ -51,6 +60,14 @@ logger = logging.getLogger(__name__)
 __all__ = ["CONTENT_TYPE", "SidecarCollector", "make_server", "serve_main", "ssl_context"]
 
 DEFAULT_STALE_SECONDS = 300.0
+#: an ended rank's last file is served this long after it was written (several scrape intervals)
+DEFAULT_ENDED_SECONDS = 300.0
+#: on SIGTERM, keep serving at most this long until every ended rank's last file was scraped
+#: (a 30 s scrape interval plus the scrape; the pod's terminationGracePeriodSeconds must exceed it)
+DEFAULT_DRAIN_SECONDS = 40.0
+#: on SIGTERM, how long to wait for ranks still live to write their end (pods whose containers
+#: are stopped together; a native sidecar is stopped after training exited)
+DRAIN_SETTLE_SECONDS = 2.0
 #: bytes read of one rank file at most (a rank with 256 modules writes about 0.13 MB, 0.6 MB with
 #: FSDP_MEM_OTEL_DETAIL=1 and the default top-8 detail budget; see README's sidecar limits)
 DEFAULT_MAX_FILE_BYTES = 16 * 1024 * 1024
@@ -76,6 +93,7 @@ class _Parsed:
     digest: bytes
     families: list[_Family]
     identity: dict[str, str]
+    ended: bool = False  # the file records the rank's end (fsdp_mem_rank_end_timestamp_seconds)
 
 
 class SidecarCollector:
@@ -83,11 +101,14 @@ class SidecarCollector:
 
     def __init__(self, directory: str, stale_seconds: float = DEFAULT_STALE_SECONDS,
                  clock: Callable[[], float] = time.time, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                 max_files: int = DEFAULT_MAX_FILES) -> None:
+                 max_files: int = DEFAULT_MAX_FILES, ended_seconds: float = DEFAULT_ENDED_SECONDS) -> None:
         if not isinstance(stale_seconds, int | float) or stale_seconds <= 0:
             raise ValueError(f"stale_seconds must be a positive number; got {stale_seconds!r}")
+        if not isinstance(ended_seconds, int | float) or ended_seconds <= 0:
+            raise ValueError(f"ended_seconds must be a positive number; got {ended_seconds!r}")
         self.directory = directory
         self.stale_seconds = float(stale_seconds)
+        self.ended_seconds = float(ended_seconds)
         self.max_file_bytes = max_file_bytes
         self.max_files = max_files
         self._clock = clock
@@ -96,6 +117,7 @@ class SidecarCollector:
         self._fresh: dict[int, float] = {}  # rank -> modification time of its last good file (0: none yet)
         self._identity: dict[int, dict[str, str]] = {}
         self._read_errors: dict[int, int] = {}
+        self._delivered: dict[int, bytes] = {}  # ended rank -> digest of its last file, once served
         self._refused: dict[str, int] = {"not_regular": 0, "too_large": 0, "too_many": 0}
         self._readable: bool | None = None  # None: the directory does not exist (yet)
         self.failures = FailureLog(logger, "sidecar server")
@@ -201,23 +223,49 @@ class SidecarCollector:
                 if info_family.samples:
                     labels = info_family.samples[0].labels
                     identity = {k: labels[k] for k in _ID_LABELS if k in labels}
-        return _Parsed(b"", families, identity)
+        return _Parsed(b"", families, identity, cat.RANK_END_TIMESTAMP_SECONDS.name in by_name)
 
     # -- one scrape --------------------------------------------------------------------------------
     def render(self) -> bytes:
         """The merged exposition of every rank file, then the sidecar's own series."""
         with self._lock:  # the cache and counters are shared by concurrent scrapes
-            files = self._rank_files()
-            present = {rank for rank, _ in files}
-            for rank in list(self._parsed):
-                if rank not in present and self._readable is not False:
-                    del self._parsed[rank]  # the file is gone: so are its samples
-                    self._fresh.pop(rank, None)
-            for rank, path in files:
-                self._refresh(rank, path)
-            body = self._merge()
-            own = self._own_families()
+            self._read_all()
+            hidden = self._ended_long_ago()
+            body = self._merge(hidden)
+            own = self._own_families(hidden)
+            for rank, parsed in self._parsed.items():
+                if parsed.ended and rank not in hidden:
+                    self._delivered[rank] = parsed.digest
         return body + generate_latest(_Families(own))
+
+    def drain_state(self) -> tuple[list[int], list[int]]:
+        """Read the directory; (ended ranks whose last file no scrape has served yet, ranks still
+        live: fresh, not ended). SIGTERM waits on these."""
+        with self._lock:
+            self._read_all()
+            hidden = self._ended_long_ago()
+            now = self._clock()
+            pending = [r for r, p in sorted(self._parsed.items())
+                       if p.ended and r not in hidden and self._delivered.get(r) != p.digest]
+            live = [r for r, p in sorted(self._parsed.items())
+                    if not p.ended and now - self._fresh.get(r, 0.0) <= self.stale_seconds]
+        return pending, live
+
+    def _read_all(self) -> None:
+        files = self._rank_files()
+        present = {rank for rank, _ in files}
+        for rank in list(self._parsed):
+            if rank not in present and self._readable is not False:
+                del self._parsed[rank]  # the file is gone: so are its samples
+                self._fresh.pop(rank, None)
+                self._delivered.pop(rank, None)
+        for rank, path in files:
+            self._refresh(rank, path)
+
+    def _ended_long_ago(self) -> set[int]:
+        """Ended ranks whose last file is older than ended_seconds: no longer served."""
+        now = self._clock()
+        return {r for r, p in self._parsed.items() if p.ended and now - self._fresh.get(r, 0.0) > self.ended_seconds}
 
     def _refresh(self, rank: int, path: str) -> None:
         got = self._read(rank, path)
@@ -240,10 +288,12 @@ class SidecarCollector:
                 self._identity[rank] = parsed.identity
         self._fresh[rank] = mtime  # only a file that parsed makes its rank fresh
 
-    def _merge(self) -> bytes:
+    def _merge(self, hidden: set[int]) -> bytes:
         merged: dict[str, _Family] = {}
         seen: set[str] = set()
         for rank in sorted(self._parsed):
+            if rank in hidden:
+                continue
             for fam in self._parsed[rank].families:
                 into = merged.get(fam.name)
                 if into is None:
@@ -263,16 +313,20 @@ class SidecarCollector:
             out.extend(line for _, line in fam.samples)
         return ("\n".join(out) + "\n").encode("utf-8") if out else b""
 
-    def _own_families(self) -> list[Metric]:
+    def _own_families(self, hidden: set[int]) -> list[Metric]:
         now = self._clock()
         updated = GaugeMetricFamily(cat.SIDECAR_RANK_LAST_UPDATE.name, cat.SIDECAR_RANK_LAST_UPDATE.help,
                                     labels=None)
         stale = GaugeMetricFamily(cat.SIDECAR_RANK_STALE.name, cat.SIDECAR_RANK_STALE.help, labels=None)
         for rank in sorted(self._fresh):
+            if rank in hidden:
+                continue
             mtime = self._fresh[rank]
             labels = {**self._identity.get(rank, {}), "rank": str(rank)}
             updated.add_sample(updated.name, labels, mtime)
-            stale.add_sample(stale.name, labels, 1.0 if now - mtime > self.stale_seconds else 0.0)
+            parsed = self._parsed.get(rank)
+            ended = parsed is not None and parsed.ended  # an ended rank is not stale: it said goodbye
+            stale.add_sample(stale.name, labels, 1.0 if not ended and now - mtime > self.stale_seconds else 0.0)
         errors = CounterMetricFamily(cat.SIDECAR_READ_ERRORS_TOTAL.name, cat.SIDECAR_READ_ERRORS_TOTAL.help,
                                      labels=list(cat.SIDECAR_READ_ERRORS_TOTAL.labels))
         for rank in sorted(self._read_errors):
@@ -302,11 +356,12 @@ class _Families:
 def make_server(directory: str, port: int, addr: str = "0.0.0.0", *, certfile: str | None = None,
                 keyfile: str | None = None, client_cafile: str | None = None,
                 stale_seconds: float = DEFAULT_STALE_SECONDS, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                max_files: int = DEFAULT_MAX_FILES) -> MetricsServer:
+                max_files: int = DEFAULT_MAX_FILES, ended_seconds: float = DEFAULT_ENDED_SECONDS) -> MetricsServer:
     """A bound (not yet serving) sidecar server; call ``start()`` or ``serve_forever()``."""
     check_tls(certfile, keyfile, client_cafile, must_exist=False)
     ctx = ssl_context(certfile, keyfile, client_cafile) if certfile is not None and keyfile is not None else None
-    collector = SidecarCollector(directory, stale_seconds, max_file_bytes=max_file_bytes, max_files=max_files)
+    collector = SidecarCollector(directory, stale_seconds, max_file_bytes=max_file_bytes, max_files=max_files,
+                                 ended_seconds=ended_seconds)
     server = MetricsServer(collector.render, addr, port, ssl_context=ctx,
                            banner=b"fsdp-mem-otel sidecar: metrics at /metrics\n")
     server.collector = collector  # type: ignore[attr-defined]
@@ -329,6 +384,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_MAX_FILE_BYTES})")
     p.add_argument("--max-files", type=int_at_least(1), default=DEFAULT_MAX_FILES,
                    help=f"serve at most this many rank files (default {DEFAULT_MAX_FILES})")
+    p.add_argument("--ended-seconds", type=seconds_above_zero, default=DEFAULT_ENDED_SECONDS,
+                   help="serve a rank that ended (its last file records the end) this long after its last write, "
+                        f"then leave it out (default {DEFAULT_ENDED_SECONDS:g})")
+    p.add_argument("--drain-seconds", type=seconds_at_least_zero, default=DEFAULT_DRAIN_SECONDS,
+                   help="on SIGTERM, keep serving at most this long until every ended rank's last file was scraped "
+                        f"once (default {DEFAULT_DRAIN_SECONDS:g}; 0: stop at once)")
 
 
 def serve_main(argv: Sequence[str] | None = None) -> int:
@@ -345,13 +406,17 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     try:
         server = make_server(args.dir, args.port, args.addr, certfile=args.certfile, keyfile=args.keyfile,
                              client_cafile=args.client_cafile, stale_seconds=args.stale_seconds,
-                             max_file_bytes=args.max_file_bytes, max_files=args.max_files)
+                             max_file_bytes=args.max_file_bytes, max_files=args.max_files,
+                             ended_seconds=args.ended_seconds)
     except (OSError, ssl.SSLError) as exc:
         print(f"fsdp-mem-otel serve: cannot listen on {args.addr}:{args.port}: {exc}", flush=True)
         return 1
+    stopping = threading.Event()
 
     def _stop(signum: int, frame: Any) -> None:
-        threading.Thread(target=server.shutdown, daemon=True).start()
+        if not stopping.is_set():
+            stopping.set()
+            threading.Thread(target=_drain_then_stop, args=(server, args.drain_seconds), daemon=True).start()
 
     signal.signal(signal.SIGTERM, _stop)
     scheme = "https" if args.certfile else "http"
@@ -363,6 +428,29 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     finally:
         server.stop(timeout=1.0)
     return 0
+
+
+def _drain_then_stop(server: MetricsServer, drain_seconds: float) -> None:
+    """Keep serving until every ended rank's last file was scraped (and ranks still live had
+    DRAIN_SETTLE_SECONDS to write their end), at most ``drain_seconds``; then stop."""
+    collector: SidecarCollector = server.collector  # type: ignore[attr-defined]
+    start = time.monotonic()
+    deadline, settle = start + drain_seconds, start + min(DRAIN_SETTLE_SECONDS, drain_seconds)
+    while True:
+        try:
+            pending, live = collector.drain_state()
+        except Exception:  # noqa: BLE001 - stopping must not fail
+            logger.exception("fsdp_mem_otel serve: reading the rank files while stopping failed")
+            break
+        now = time.monotonic()
+        if not pending and (not live or now >= settle):
+            break
+        if now >= deadline:
+            logger.warning("fsdp_mem_otel serve: stopping before ranks %s were scraped with their end "
+                           "(--drain-seconds %g)", pending, drain_seconds)
+            break
+        time.sleep(0.1)
+    server.shutdown()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,11 @@ writer, the sidecar file writer and the span builder each hand their work to a
   handler that was installed before it (or, if that was the default, terminates the process as
   the default would). Set ``FSDP_MEM_OTEL_SIGTERM=0`` to leave SIGTERM alone.
 - ``stalled(seconds)``: the handler has been busy with one item for longer than that.
+
+Why the process ends (``end_reason()``, which the Prometheus exporter writes into its last rank
+file): ``sigterm`` once the SIGTERM handler ran; what ``mark_end()`` was told (a framework's
+exception hook says ``error``); ``error`` when an uncaught exception is ending the interpreter
+(``sys.last_value`` is set before ``atexit`` runs); else ``clean``.
 """
 
 from __future__ import annotations
@@ -28,13 +33,14 @@ import collections
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from fsdp_mem_otel import env
+from fsdp_mem_otel import catalog, env
 from fsdp_mem_otel.failures import FailureLog
 
 logger = logging.getLogger(__name__)
@@ -51,6 +57,26 @@ _LIVE_LOCK = threading.Lock()
 _atexit_registered = False
 _sigterm_installed = False
 _previous_sigterm: Any = None
+_end_reason: str | None = None
+
+
+def mark_end(reason: str) -> None:
+    """Say why this process is ending (one of ``catalog.END_REASONS``), before the exporters shut
+    down: a framework's exception hook calls ``mark_end("error")``. The first reason given stays."""
+    global _end_reason
+    if reason not in catalog.END_REASONS:
+        raise ValueError(f"reason must be one of {catalog.END_REASONS}; got {reason!r}")
+    if _end_reason is None:
+        _end_reason = reason
+
+
+def end_reason() -> str:
+    """Why this process is ending, as far as it can tell (see the module docstring)."""
+    if _end_reason is not None:
+        return _end_reason
+    if getattr(sys, "last_value", None) is not None:  # an uncaught exception: the interpreter is going down
+        return catalog.END_ERROR
+    return catalog.END_CLEAN
 
 
 class BackgroundWorker(Generic[T]):
@@ -244,6 +270,7 @@ def shutdown_all(timeout: float = EXIT_DEADLINE_SECONDS) -> None:
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
+    mark_end(catalog.END_SIGTERM)
     shutdown_all()
     previous = _previous_sigterm
     if callable(previous):

@@ -50,7 +50,7 @@ from fsdp_mem_otel.schema import (
     StepAbort,
     StepReport,
 )
-from fsdp_mem_otel.worker import BackgroundWorker
+from fsdp_mem_otel.worker import BackgroundWorker, at_exit, end_reason
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,9 @@ class StepReportCollector:
         self._last_oom: tuple[float, StepAbort] | None = None
         #: a StepReport from ``fsdp-mem-otel estimate``, exported beside each step's figures
         self.estimate: StepReport | None = None
+        #: (reason, unix time) once the exporter shut down: the rank's recorded end. Set without the
+        #: lock: the SIGTERM handler sets it on the training thread, which may hold the lock.
+        self.end: tuple[str, float] | None = None
 
     # -- state -------------------------------------------------------------------------------
     def update(self, report: StepReport) -> None:
@@ -119,7 +122,7 @@ class StepReportCollector:
         return [
             _family(m, self._id_names + m.labels)
             for m in cat.METRICS
-            if m.name in cat.exported_names(self.detail, self.estimate is not None)
+            if m.name in cat.exported_names(self.detail, self.estimate is not None, self.end is not None)
         ]
 
     def collect(self) -> Iterator[Metric]:
@@ -170,7 +173,10 @@ class StepReportCollector:
             add(cat.STEP_DURATION_SECONDS, [((), float(report.duration_seconds))])
             add(cat.STEP_DEEP, [((), 1.0 if report.mode == DEEP else 0.0)])
         fsdp_version = str(report.fsdp_version) if report is not None else ""
-        add(cat.TRACKER_INFO, [((fsdp_version, __version__), 1.0)])
+        add(cat.TRACKER_INFO, [((fsdp_version, __version__, self.identity.node or self.identity.host), 1.0)])
+        end = self.end
+        if end is not None:
+            add(cat.RANK_END_TIMESTAMP_SECONDS, [((end[0],), end[1])])
         with self._lock:
             aborted, last_oom = dict(self._aborted), self._last_oom
             skipped = dict(self._deep_skipped)
@@ -178,6 +184,7 @@ class StepReportCollector:
         add(cat.DEEP_STEPS_SKIPPED_TOTAL, [((reason,), float(n)) for reason, n in sorted(skipped.items())])
         if report is not None:
             add(cat.SETUP_WARNING, [((kind,), float(kind in report.warnings)) for kind in WARNINGS])
+            add(cat.LIGHT_FALLBACK_GROUPS, [((), float(report.fallback_groups))])
         if last_oom is not None:
             when, abort = last_oom
             add(cat.LAST_OOM_TIMESTAMP_SECONDS, [((abort.module, abort.state), float(when))])
@@ -347,7 +354,7 @@ class PrometheusExporter:
         self.addr = config.addr
         self.port: int | None = None
         self.sidecar_path: str | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # shutdown() may re-enter from the SIGTERM handler
         self._closed = False
         self._server: Any = None
         self._writer: _SidecarWriter | None = None
@@ -360,6 +367,8 @@ class PrometheusExporter:
             self.sidecar_path = os.path.join(directory, rank_file_name(identity.rank))
             self._writer = _SidecarWriter(directory, self.sidecar_path, self._render, self.failures,
                                           config.heartbeat_seconds, config.sidecar_interval_seconds)
+            # at interpreter exit and on SIGTERM too: the last rank file records how the rank ended
+            at_exit(self.shutdown)
 
     def _load_estimate(self, path: str, rank: int) -> StepReport | None:
         from fsdp_mem_otel.jsonl_format import read_reports
@@ -394,12 +403,17 @@ class PrometheusExporter:
         return self._writer.flush(timeout) if self._writer is not None else True
 
     def shutdown(self) -> None:
-        """Write the last report to the sidecar file and stop the HTTP server. Safe to call twice."""
+        """Write the last report to the sidecar file, with the rank's end
+        (``fsdp_mem_rank_end_timestamp_seconds{reason}``: ``worker.end_reason()``), and stop the HTTP
+        server. Safe to call twice; called at interpreter exit and on SIGTERM too."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         if self._writer is not None:
+            if self.collector.report is not None:  # a rank that exported nothing was never visible
+                self.collector.end = (end_reason(), time.time())
+                self._writer.request(urgent=True)
             self._writer.close(timeout=5.0)
         server, self._server = self._server, None
         if server is not None:

@@ -17,9 +17,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from fsdp_mem_otel.catalog import END_ERROR
 from fsdp_mem_otel.config import TrackerConfig
 from fsdp_mem_otel.exporters import Exporter
 from fsdp_mem_otel.integrations._session import OnReport, TrackingSession
+from fsdp_mem_otel.worker import mark_end
 
 
 class FSDPMemoryCallback(pl.Callback):  # type: ignore[misc]
@@ -58,4 +60,5 @@ class FSDPMemoryCallback(pl.Callback):  # type: ignore[misc]
         self.session.close()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        mark_end(END_ERROR)  # the rank files record a failed end, not a clean one
         self.session.close()

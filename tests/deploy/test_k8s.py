@@ -12,6 +12,7 @@ import copy
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -92,7 +93,7 @@ def test_every_manifest_validates_strictly() -> None:
             pytest.fail(f"{path.name}: {doc['kind']}/{doc['metadata'].get('name')}: {exc.message} at "
                         f"{'.'.join(map(str, exc.path))}")
         kinds.add(doc["kind"])
-    assert {"PyTorchJob", "PodMonitor", "PrometheusRule", "ConfigMap", "Deployment", "Service"} <= kinds
+    assert {"PyTorchJob", "PodMonitor", "PrometheusRule", "ConfigMap", "Deployment", "Service", "DaemonSet"} <= kinds
 
 
 def test_crd_schemas_are_strict_and_are_json_schemas() -> None:
@@ -261,3 +262,73 @@ def test_sidecar_image_installs_the_released_package_without_torch() -> None:
     assert sidecar["image"].endswith(":" + version)
     cmd = json.loads(next(line for line in dockerfile.splitlines() if line.startswith("CMD "))[4:])
     assert cmd[:3] == ["serve", "--dir", RANK_DIR]
+
+
+REMOTE_WRITE = ROOT / "deploy" / "remote-write"
+
+
+def _agent_config(node: str = "node-1") -> dict[str, Any]:
+    """The DaemonSet's agent configuration as its init container renders it on ``node``."""
+    cm = next(d for _, d in _docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "fsdp-mem-otel-agent")
+    init = _one("DaemonSet")["spec"]["template"]["spec"]["initContainers"][0]
+    script = init["command"][-1]
+    assert "s/@NODE_NAME@/$(NODE_NAME)/" in script  # Kubernetes expands $(NODE_NAME) from the env
+    assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in init["env"]} == {"NODE_NAME": "spec.nodeName"}
+    return dict(yaml.safe_load(cm["data"]["agent.yml"].replace("@NODE_NAME@", node)))
+
+
+def test_agent_daemonset_runs_the_shipped_agent_settings(tmp_path: Path) -> None:
+    conf = _agent_config()
+    shipped = yaml.safe_load((REMOTE_WRITE / "agent.yml").read_text())
+    # the same WAL, queue and scrape settings as deploy/remote-write/agent.yml, whose comments
+    # state the outage they ride out
+    assert conf["remote_write"][0]["queue_config"] == shipped["remote_write"][0]["queue_config"]
+    assert conf["global"] == shipped["global"]
+    job, shipped_job = conf["scrape_configs"][0], shipped["scrape_configs"][0]
+    assert job["honor_labels"] is shipped_job["honor_labels"] is True
+    assert job["sample_limit"] == shipped_job["sample_limit"] == _one("PodMonitor")["spec"]["sampleLimit"]
+    assert conf["global"]["scrape_interval"] == _one("PodMonitor")["spec"]["podMetricsEndpoints"][0]["interval"]
+    sd = job["kubernetes_sd_configs"][0]
+    assert sd["selectors"][0]["field"] == "spec.nodeName=node-1"  # its own node's pods only
+    assert sd["selectors"][0]["label"] == "fsdp-mem-otel/scrape=true"
+    assert "fsdp-mem-otel/scrape" in _pod()["metadata"]["labels"]
+    agent = _one("DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    header = (REMOTE_WRITE / "agent.yml").read_text().split("---")[0]
+    for flag in ("--enable-feature=agent", "--storage.agent.retention.max-time=4h"):
+        assert flag in agent["args"] and flag.split("=")[0] in header + " --enable-feature"
+    assert {m["mountPath"] for m in agent["volumeMounts"]} >= {"/agent"}
+    assert "--storage.agent.path=/agent" in agent["args"]
+    # a valid agent configuration, as Prometheus itself reads it; Debian's Prometheus is built
+    # without Kubernetes discovery, so promtool reads it with the discovery swapped for a target
+    assert set(sd) == {"role", "namespaces", "selectors"} and sd["role"] == "pod"
+    job["static_configs"] = [{"targets": ["10.0.0.1:9400"]}]
+    del job["kubernetes_sd_configs"]
+    path = tmp_path / "agent.yml"
+    path.write_text(yaml.safe_dump(conf))
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool not found: install Debian's prometheus package (scripts/setup.sh does)")
+    out = subprocess.run([promtool, "check", "config", "--agent", str(path)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_central_accepts_the_backlog_of_the_outage_the_agent_rides_out() -> None:
+    central = yaml.safe_load((REMOTE_WRITE / "central.yml").read_text())
+    window = central["storage"]["tsdb"]["out_of_order_time_window"]
+    agent = _one("DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    retention = next(a for a in agent["args"] if a.startswith("--storage.agent.retention.max-time="))
+    assert retention.split("=")[1] == window == "4h"
+    assert "rides out 4 h" in (REMOTE_WRITE / "agent.yml").read_text()
+
+
+def test_training_pod_gives_the_sidecar_time_to_deliver_the_ranks_end() -> None:
+    from fsdp_mem_otel.serve import DEFAULT_DRAIN_SECONDS
+    from fsdp_mem_otel.worker import EXIT_DEADLINE_SECONDS
+
+    spec = _pod()["spec"]
+    interval = _one("PodMonitor")["spec"]["podMetricsEndpoints"][0]["interval"]
+    assert DEFAULT_DRAIN_SECONDS > int(interval.rstrip("s"))  # a scrape comes within the drain
+    assert spec["terminationGracePeriodSeconds"] > DEFAULT_DRAIN_SECONDS + EXIT_DEADLINE_SECONDS
+    sidecar = next(c for c in spec["initContainers"] if c["name"] == "fsdp-mem-otel")
+    assert "--drain-seconds" not in sidecar["command"]  # the default

@@ -133,7 +133,7 @@ def train_scrape_and_serve(base_port: int, tls_base_port: int, sidecar_dir: str,
         out["sidecar_alive"] = get(f"http://127.0.0.1:{sidecar_port}/metrics")
     dist.barrier()
     if rank == 1:
-        tracker.close()  # rank 1 goes silent: no more writes, endpoint down
+        tracker.close()  # rank 1 ends: its last write records the end, endpoint down
         out["errors_total"] = (plain.errors_total, secure.errors_total)
     else:
         deadline = time.monotonic() + STALE_SECONDS + 1.0

@@ -178,9 +178,9 @@ fsdp_mem_step_duration_seconds{job_name="train",local_rank="1",namespace="ml",po
 # HELP fsdp_mem_step_deep 1 when the last step ran in deep mode (every op accounted), 0 in light mode.
 # TYPE fsdp_mem_step_deep gauge
 fsdp_mem_step_deep{job_name="train",local_rank="1",namespace="ml",pod="train-1",rank="1",world_size="2"} 1.0
-# HELP fsdp_mem_tracker_info Always 1; labels say the FSDP generation and the fsdp_mem_otel version.
+# HELP fsdp_mem_tracker_info Always 1; labels say the FSDP generation, the fsdp_mem_otel version and the node the rank runs on (NODE_NAME, else the host name).
 # TYPE fsdp_mem_tracker_info gauge
-fsdp_mem_tracker_info{fsdp_version="2",job_name="train",local_rank="1",namespace="ml",pod="train-1",rank="1",version="0.1.0",world_size="2"} 1.0
+fsdp_mem_tracker_info{fsdp_version="2",job_name="train",local_rank="1",namespace="ml",node="host",pod="train-1",rank="1",version="0.1.0",world_size="2"} 1.0
 # HELP fsdp_mem_aborted_steps_total Steps stopped early by an exception (kind=oom for out-of-memory, kind=error otherwise).
 # TYPE fsdp_mem_aborted_steps_total counter
 fsdp_mem_aborted_steps_total{job_name="train",kind="error",local_rank="1",namespace="ml",pod="train-1",rank="1",world_size="2"} 0.0
@@ -192,6 +192,9 @@ fsdp_mem_deep_steps_skipped_total{job_name="train",local_rank="1",namespace="ml"
 # TYPE fsdp_mem_setup_warning gauge
 fsdp_mem_setup_warning{job_name="train",kind="optimizer_no_state",local_rank="1",namespace="ml",pod="train-1",rank="1",world_size="2"} 0.0
 fsdp_mem_setup_warning{job_name="train",kind="nothing_sharded",local_rank="1",namespace="ml",pod="train-1",rank="1",world_size="2"} 0.0
+# HELP fsdp_mem_light_fallback_groups FSDP groups light mode accounts per tensor because their own events cannot tell their buffers' bytes (a parameter with a gradient in some steps only, all-gather extensions); 0 on every tested configuration.
+# TYPE fsdp_mem_light_fallback_groups gauge
+fsdp_mem_light_fallback_groups{job_name="train",local_rank="1",namespace="ml",pod="train-1",rank="1",world_size="2"} 0.0
 # HELP fsdp_mem_module_peak_bytes Peak total bytes during the module's forward or backward in the last step (max over calls and devices).
 # TYPE fsdp_mem_module_peak_bytes gauge
 fsdp_mem_module_peak_bytes{job_name="train",local_rank="1",module="<root>",namespace="ml",phase="forward",pod="train-1",rank="1",world_size="2"} 7000.0
@@ -207,6 +210,26 @@ fsdp_mem_module_forward_seconds{job_name="train",local_rank="1",module="layers.0
 # -- exact exposition (fresh registry, as client_python's own tests do) ----------------------------
 def test_exact_exposition() -> None:
     assert exposition(small_report()) == EXPECTED
+
+
+def test_exact_exposition_of_an_ended_rank() -> None:
+    """The last exposition of a rank whose exporter shut down: the same, plus its end."""
+    registry = CollectorRegistry()
+    collector = StepReportCollector(IDENTITY)
+    registry.register(collector)
+    collector.update(small_report())
+    collector.end = ("sigterm", 1700000123.5)
+    end = (
+        "# HELP fsdp_mem_rank_end_timestamp_seconds Unix time at which the rank's exporter shut down, by reason: "
+        "clean (tracker.close(), interpreter exit, a framework's end-of-training hook), sigterm (SIGTERM: "
+        "preemption, eviction), error (an uncaught exception or a framework's exception hook). Absent while the "
+        "rank runs.\n"
+        "# TYPE fsdp_mem_rank_end_timestamp_seconds gauge\n"
+        'fsdp_mem_rank_end_timestamp_seconds{job_name="train",local_rank="1",namespace="ml",pod="train-1",rank="1",'
+        'reason="sigterm",world_size="2"} 1.7000001235e+09\n'
+    )
+    info_end = EXPECTED.index("# HELP fsdp_mem_aborted_steps_total")
+    assert generate_latest(registry).decode() == EXPECTED[:info_end] + end + EXPECTED[info_end:]
 
 
 def test_oom_step_counts_and_keeps_where_it_happened() -> None:
@@ -534,7 +557,7 @@ def test_real_ranks_scraped_over_mutual_tls(real_run: dict[str, Any]) -> None:
         assert out["plain_http_to_tls_port"] != "ok"
 
 
-def test_real_sidecar_merges_ranks_and_flags_the_silent_one(real_run: dict[str, Any]) -> None:
+def test_real_sidecar_merges_ranks_and_serves_a_closed_ranks_end(real_run: dict[str, Any]) -> None:
     ranks = real_run["ranks"]
     alive, one_silent = ranks[0]["sidecar_alive"], ranks[0]["sidecar_one_silent"]
     promtool_check(alive)
@@ -548,9 +571,15 @@ def test_real_sidecar_merges_ranks_and_flags_the_silent_one(real_run: dict[str, 
         assert value(alive, "fsdp_mem_sidecar_rank_last_update_timestamp_seconds", rank=str(r)) > \
             ranks[r]["reports"][-1]["timestamp"] - 1
     assert value(one_silent, "fsdp_mem_sidecar_rank_stale", rank="0") == 0
-    assert value(one_silent, "fsdp_mem_sidecar_rank_stale", rank="1") == 1
+    # rank 1 closed its tracker: its last file records a clean end, so it is not stale (a killed
+    # rank is: tests/test_rank_death.py), and its last values stay visible with the end
+    assert value(one_silent, "fsdp_mem_sidecar_rank_stale", rank="1") == 0
+    assert value(one_silent, "fsdp_mem_rank_end_timestamp_seconds", rank="1", reason="clean") >= \
+        ranks[1]["reports"][-1]["timestamp"]
+    assert not [s for s in samples(one_silent) if s.name == "fsdp_mem_rank_end_timestamp_seconds"
+                and s.labels["rank"] == "0"]  # rank 0 still runs
     assert value(one_silent, "fsdp_mem_step_peak_bytes", rank="1", device="cpu", category="total") == \
-        ranks[1]["reports"][-1]["peak"]["cpu"]["total"]  # last known values stay visible
+        ranks[1]["reports"][-1]["peak"]["cpu"]["total"]
     assert ranks[0]["rank1_endpoint_after_close"] != "ok"
     assert sorted(os.listdir(real_run["dir"])) == ["rank-0.prom", "rank-1.prom"]
     assert stat.S_IMODE(os.stat(real_run["dir"]).st_mode) == 0o700

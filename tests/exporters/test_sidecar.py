@@ -176,3 +176,95 @@ def test_serve_main_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) ->
             serve.serve_main(argv)
         assert exc.value.code == 2
     assert "--stale-seconds" in capsys.readouterr().err
+
+
+def _end_ranks(directory: Path) -> None:
+    """Rank 0 runs; rank 1 ran and closed (its last file records a clean end)."""
+    exps = write_ranks(directory)
+    exps[1].shutdown()
+
+
+def test_an_ended_rank_is_not_stale_and_is_served_for_ended_seconds(tmp_path: Path) -> None:
+    _end_ranks(tmp_path)
+    mtime = os.stat(tmp_path / "rank-1.prom").st_mtime
+    now = [mtime + 20.0]
+    collector = serve.SidecarCollector(str(tmp_path), stale_seconds=10.0, ended_seconds=30.0, clock=lambda: now[0])
+    text = scrape(collector)
+    promtool_check(text)
+    assert value(text, "fsdp_mem_sidecar_rank_stale", rank="0") == 1  # silent for 20 s, no end: stale
+    assert value(text, "fsdp_mem_sidecar_rank_stale", rank="1") == 0  # ended: not stale
+    assert value(text, "fsdp_mem_rank_end_timestamp_seconds", rank="1", reason="clean") >= mtime - 1
+    assert value(text, "fsdp_mem_step_peak_bytes", rank="1", category="total") == 2000
+    now[0] = mtime + 31.0  # past --ended-seconds: the ended rank's series end, the silent one stays
+    text = scrape(collector)
+    assert {s.labels["rank"] for s in samples(text) if s.labels.get("rank")} == {"0"}
+    assert value(text, "fsdp_mem_sidecar_rank_stale", rank="0") == 1
+    # a new run of rank 1 rewrites its file without an end: served again
+    write_ranks(tmp_path)
+    now[0] = os.stat(tmp_path / "rank-1.prom").st_mtime + 1.0
+    text = scrape(collector)
+    assert value(text, "fsdp_mem_sidecar_rank_stale", rank="1") == 0
+    assert not [s for s in samples(text) if s.name == "fsdp_mem_rank_end_timestamp_seconds"]
+
+
+def test_a_restarted_sidecar_serves_the_same_series_and_counters(tmp_path: Path) -> None:
+    exps = write_ranks(tmp_path)
+    before = [s for s in samples(scrape(serve.SidecarCollector(str(tmp_path))))]
+    after = [s for s in samples(scrape(serve.SidecarCollector(str(tmp_path))))]  # a new process: no state
+    assert sorted(map(repr, after)) == sorted(map(repr, before))
+    assert [s.value for s in after if s.name == "fsdp_mem_steps_total"] == [small_report().step] * 2
+    for e in exps:
+        e.shutdown()
+
+
+def _serve(directory: Path, port: int, *extra: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fsdp_mem_otel.serve", "--dir", str(directory), "--port", str(port),
+         "--addr", "127.0.0.1", *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 30
+    while prom_workers.try_get(f"http://127.0.0.1:{port}/") != "ok":  # the banner: not a scrape
+        assert proc.poll() is None and time.monotonic() < deadline, "serve did not come up"
+        time.sleep(0.1)
+    return proc
+
+
+def test_sigterm_keeps_serving_until_an_ended_rank_was_scraped(tmp_path: Path) -> None:
+    write_ranks(tmp_path)
+    port = free_ports(1)
+    proc = _serve(tmp_path, port, "--drain-seconds", "30", "--stale-seconds", "0.5")
+    try:
+        exp = PrometheusExporter(Identity("train", 2, 0, 3, "h"), http=False, sidecar_dir=tmp_path)
+        exp.export(small_report())
+        exp.shutdown()  # rank 2 ends after the last scrape: its end has not been served yet
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(2.5)
+        assert proc.poll() is None, "stopped before the ended rank was scraped"
+        text = prom_workers.get(f"http://127.0.0.1:{port}/metrics")  # the scrape that was waited for
+        assert value(text, "fsdp_mem_rank_end_timestamp_seconds", rank="2", reason="clean") > 0
+        t0 = time.monotonic()
+        out, _ = proc.communicate(timeout=30)
+        assert time.monotonic() - t0 < 5
+        assert proc.returncode == 0, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_sigterm_with_nothing_to_deliver_stops_at_once_and_drain_is_bounded(tmp_path: Path) -> None:
+    write_ranks(tmp_path)  # no end: nothing to wait for (they are stale at once)
+    proc = _serve(tmp_path, free_ports(1), "--drain-seconds", "30", "--stale-seconds", "0.5")
+    time.sleep(0.6)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and time.monotonic() - t0 < 5, out
+    exp = PrometheusExporter(Identity("train", 2, 0, 3, "h"), http=False, sidecar_dir=tmp_path)
+    exp.export(small_report())
+    exp.shutdown()
+    proc = _serve(tmp_path, free_ports(1), "--drain-seconds", "3", "--stale-seconds", "0.5")
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)  # rank 2's end is never scraped: it stops at the bound
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and 2.5 < time.monotonic() - t0 < 8, out
+    assert "stopping before ranks [2] were scraped" in out
