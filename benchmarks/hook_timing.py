@@ -2,20 +2,24 @@
 
 Run (2 ranks, gloo, CPU):
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/hook_timing.py [--blocks 16] [--steps 30]
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/hook_timing.py [--blocks 16] [--steps 20] [--rounds 5]
 
 Every function through which training enters the tracker is wrapped with a timer before attach:
-the forward hooks (``on_state``), FSDP2 param-group wrappers (named after the tracker function
-they run), the saved-tensor pack hook, the ledger's free callbacks, the optimizer hooks and
-``step()``. Only the outermost entry is timed, so nested calls count once. The timers add about
-a microsecond per call of their own. Printed per step: time and calls per entry point, and their
-sum as a share of the untracked step's training-thread CPU time measured just before.
+the sink's state events (``on_state``: the forward hooks and the group emits), the FSDP2 group
+events (named after the accounting method they run), the adapter's catching up at forward
+boundaries, the saved-tensor pack hook, the ledger's free callbacks, the optimizer hooks and
+``step()``. Only the outermost entry is timed, so nested calls count once; the timers add about a
+microsecond per call of their own. Rounds interleave an untracked and a tracked run of the same
+steps on the same model; per round, the tracker's time per step is divided by that round's
+untracked step (training-thread CPU). Printed: per round and the median over rounds, and the
+last round's time and calls per entry point; ``--json PATH`` writes them.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import statistics
 import sys
 import time
@@ -24,8 +28,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+import fsdp_mem_otel.activations as activations
 import fsdp_mem_otel.adapters.fsdp2 as fsdp2
 import fsdp_mem_otel.ledger as ledger
+import fsdp_mem_otel.optimizers as optimizers
+import fsdp_mem_otel.sink as sink
 import fsdp_mem_otel.tracker as tracker_module
 from fsdp_mem_otel.demo import WrapOptions, build, init_distributed, make_batch, train_step
 
@@ -51,22 +58,19 @@ def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def instrument() -> None:
+    """Timers around every entry point (before the tracker is built: wrappers bind at attach)."""
     cls = tracker_module.FSDPMemoryTracker
-    for name in ("on_state", "step"):
-        setattr(cls, name, timed(name, getattr(cls, name)))
-    import fsdp_mem_otel.optimizers as optimizers
-
+    cls.step = timed("step()", cls.step)  # type: ignore[method-assign]
+    sink.Sink.on_state = timed("on_state (forward hooks, group emits)", sink.Sink.on_state)  # type: ignore[method-assign]
+    for name in ("after_unshard", "before_wait", "after_wait", "after_reshard", "before_post_backward",
+                 "after_post_backward"):
+        setattr(fsdp2._Accounts, name, timed(f"FSDP2 {name}", getattr(fsdp2._Accounts, name)))
+    for name in ("_forward_begins", "_forward_ends"):
+        setattr(fsdp2.FSDP2Adapter, name, timed(f"adapter {name}", getattr(fsdp2.FSDP2Adapter, name)))
+    activations.SavedTensorAccounting._pack = timed(  # type: ignore[method-assign]
+        "saved-tensor pack", activations.SavedTensorAccounting._pack)
     for name in ("_on_pre", "_on_post"):
         setattr(optimizers.OptimizerWatch, name, timed("optimizer hooks", getattr(optimizers.OptimizerWatch, name)))
-    import fsdp_mem_otel.activations as activations
-
-    activations.SavedTensorAccounting._pack = timed("saved-tensor pack", activations.SavedTensorAccounting._pack)
-    guarded = fsdp2._guarded
-
-    def named_guarded(sink: Any, fn: Callable[[], None]) -> None:
-        timed("group:" + getattr(fn, "__name__", "?"), guarded)(sink, fn)
-
-    fsdp2._guarded = named_guarded
     free_callback = ledger._free_callback
     ledger._free_callback = lambda entries, ref: timed("weakref free", free_callback(entries, ref))  # type: ignore
 
@@ -74,7 +78,9 @@ def instrument() -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", type=int, default=16)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved untracked/tracked rounds (default 5)")
+    p.add_argument("--json", default=None, help="also write the figures to this JSON file (rank 0)")
     args = p.parse_args(argv)
     rank, _ = init_distributed()
     model, opt = build(args.blocks, 64, WrapOptions(fsdp=2))
@@ -93,23 +99,35 @@ def main(argv: list[str] | None = None) -> int:
             cpu.append(time.thread_time() - c0)
         return statistics.median(cpu)
 
-    run(None)
-    base = run(None)
     instrument()
-    tracker = tracker_module.FSDPMemoryTracker(model, opt)
-    with tracker:
-        run(tracker)  # warm-up: optimizer state, first entries
-        TIMES.clear()
-        CALLS.clear()
-        run(tracker)
-    if rank == 0:
+    run(None)  # warm-up: optimizer state, allocator
+    shares: list[float] = []
+    for _ in range(args.rounds):
+        base = run(None)
+        tracker = tracker_module.FSDPMemoryTracker(model, opt)
+        with tracker:
+            run(tracker)  # warm-up: first entries, learnt sizes
+            TIMES.clear()
+            CALLS.clear()
+            run(tracker)
         per_step = sum(TIMES.values()) / args.steps
-        print(f"dispatch-{args.blocks}: untracked step {base * 1e3:.2f} ms CPU; tracker in place "
-              f"{per_step * 1e3:.3f} ms/step = {per_step / base:.2%}")
-        print(f"{'entry point':<34} {'us/step':>9} {'calls/step':>11} {'share':>7}")
+        shares.append(per_step / base)
+        if rank == 0:
+            print(f"dispatch-{args.blocks} round {len(shares)}: untracked step {base * 1e3:.2f} ms CPU; "
+                  f"tracker in place {per_step * 1e3:.3f} ms/step = {per_step / base:.2%}", flush=True)
+    if rank == 0:
+        print(f"dispatch-{args.blocks}: median over {args.rounds} rounds {statistics.median(shares):.2%} "
+              f"(min {min(shares):.2%}, max {max(shares):.2%}); last round per entry point:")
+        print(f"{'entry point':<40} {'us/step':>9} {'calls/step':>11} {'share':>7}")
         for name, t in TIMES.most_common():
-            print(f"{name:<34} {t / args.steps * 1e6:9.1f} {CALLS[name] / args.steps:11.1f} "
+            print(f"{name:<40} {t / args.steps * 1e6:9.1f} {CALLS[name] / args.steps:11.1f} "
                   f"{t / args.steps / base:7.2%}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"blocks": args.blocks, "shares": shares, "median": statistics.median(shares),
+                           "entry_points": {n: {"us_per_step": t / args.steps * 1e6,
+                                                "calls_per_step": CALLS[n] / args.steps}
+                                            for n, t in TIMES.items()}}, f, indent=2)
     dist.destroy_process_group()
     return 0
 

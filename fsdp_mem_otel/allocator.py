@@ -25,8 +25,9 @@ untracked_bytes             allocated - what the tracker's ledger accounts on th
 ==========================  ==================================================================
 
 The host (key ``"cpu"``), on every run: ``resident_bytes`` (the process RSS, from psutil or
-``/proc/self/statm``). ``untracked_bytes`` is not reported for the host: RSS includes the
-interpreter, libraries and allocator caches, so "RSS minus tensors" means nothing useful.
+``/proc/self/statm``, read every ``rss_every``-th step, default 10). ``untracked_bytes`` is not
+reported for the host: RSS includes the interpreter, libraries and allocator caches, so "RSS minus
+tensors" means nothing useful.
 
 Peaks. The tracker never resets the user's allocator peaks (``torch.cuda.max_memory_allocated``
 and friends belong to the training script) and never empties the cache. So by default the
@@ -190,6 +191,8 @@ class AllocatorProbe:
             to ``step_stats``. Ignored on a machine without CUDA.
         reset_peaks: report the allocator's own peaks and reset them (``reset_peak_memory_stats``)
             at every step end. Off by default: the peaks belong to the user's script.
+        rss_every: read the process RSS at every ``rss_every``-th step (a system call of tens
+            of microseconds); the steps between report the last reading.
 
     ``sample()`` is called at every FSDP hook snapshot and costs one ``memory_stats`` C call per
     watched CUDA device (nothing on CPU, nothing with ``reset_peaks``); ``step_stats()`` once per
@@ -197,12 +200,16 @@ class AllocatorProbe:
     propagate: the tracker contains and counts them.
     """
 
-    def __init__(self, devices: Iterable[str | int | torch.device] | None = None, *, reset_peaks: bool = False) -> None:
+    def __init__(self, devices: Iterable[str | int | torch.device] | None = None, *, reset_peaks: bool = False,
+                 rss_every: int = 10) -> None:
         if not isinstance(reset_peaks, bool):
             raise TypeError(f"reset_peaks must be a bool; got {type(reset_peaks).__name__}")
         if devices is not None and isinstance(devices, (str, int, torch.device)):
             raise TypeError("devices must be an iterable of devices (e.g. [0] or ['cuda:0']), not a single device")
         self.reset_peaks = reset_peaks
+        self._rss_every = max(1, int(rss_every))
+        self._steps = 0
+        self._rss: int | None = None
         self._cuda = torch.cuda.is_available()
         self._auto = devices is None
         #: device index -> report key ("cuda:N")
@@ -310,7 +317,9 @@ class AllocatorProbe:
                     # The next step's maxima start from what is live at its start (= now).
                     cur = {s: int(stats.get(k, 0)) for s, k in SAMPLED.items()}
                     self._max[key] = cur
-        rss = resident_bytes()
-        if rss is not None:
-            out[CPU_KEY] = {"resident_bytes": rss}
+        if self._steps % self._rss_every == 0 or self._rss is None:
+            self._rss = resident_bytes()
+        self._steps += 1
+        if self._rss is not None:
+            out[CPU_KEY] = {"resident_bytes": self._rss}
         return out

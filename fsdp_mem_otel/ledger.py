@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp_mem_otel import env
-from fsdp_mem_otel.schema import CATEGORY_KEYS, DeviceBreakdown
+from fsdp_mem_otel.schema import CATEGORY_KEYS, DeviceBreakdown, breakdown_of
 
 # The CUDA caching allocator rounds every block up to 512 bytes (same rule as upstream MemTracker).
 _CUDA_MIN_BLOCK = 512 if os.environ.get(env.PYTORCH_NO_CUDA_MEMORY_CACHING, "0") == "0" else 1
@@ -77,9 +77,7 @@ def device_block(device: torch.device) -> int:
     return _CUDA_MIN_BLOCK if device.type == "cuda" else 1
 
 
-def as_breakdown(raw: RawBreakdown) -> DeviceBreakdown:
-    """Raw counters as the public ``{device: {category: bytes}}``."""
-    return {d: dict(zip(CATEGORY_KEYS, c, strict=True)) for d, c in raw.items()}
+as_breakdown = breakdown_of
 
 
 class _Window:

@@ -73,6 +73,8 @@ class OptimizerWatch:
         self._on_error = on_error
         self._handles: list[Any] = []
         self._known: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._seen: list[tuple[int, int]] = []  # per optimizer (id, len) of its state at the last scan
+        self._bytes_seen = -1  # optimizer_state bytes in the ledger after the last scan
         #: the optimizers stepped with gradients present and held no state tensor (see step_end)
         self.no_state = False
         self._state_tensors = 0
@@ -84,6 +86,7 @@ class OptimizerWatch:
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(self._on_pre))
             self._handles.append(opt.register_step_post_hook(self._on_post))
+            self._handles.append(opt.register_load_state_dict_post_hook(self._state_replaced))
 
     def detach(self) -> None:
         for h in self._handles:
@@ -109,8 +112,25 @@ class OptimizerWatch:
                             self._ledger.track(value, OPTIMIZER_STATE)
                             known[id(value)] = weakref.ref(value)
         self._state_tensors = count
+        self._seen = [(id(opt.state), len(opt.state)) for opt in self.optimizers]
+        self._bytes_seen = self._ledger.category_bytes(OPTIMIZER_STATE)
         return count
 
+    def _state_changed(self) -> bool:
+        """Whether a scan could find state tensors not accounted yet: an optimizer's state holds
+        other parameters, was replaced, or one of its tensors was freed (a replacement made)."""
+        if self._ledger.category_bytes(OPTIMIZER_STATE) < self._bytes_seen:
+            return True
+        seen = self._seen
+        if len(seen) != len(self.optimizers):
+            return True
+        for (state_id, size), opt in zip(seen, self.optimizers, strict=True):
+            if id(opt.state) != state_id or len(opt.state) != size:
+                return True
+        return False
+
+    def _state_replaced(self, *_: Any) -> None:
+        self._seen = []  # load_state_dict: scan after the next step
     def step_end(self) -> None:
         """At the end of a training step: notice (once, logged) optimizers that stepped with
         gradients present and hold no state; optimizer_state then reads 0 for a reason to say."""
@@ -153,7 +173,10 @@ class OptimizerWatch:
     def _on_post(self, opt: Any, *_: Any) -> None:
         self._context.in_optimizer = False
         try:
-            if self.track_state() == 0 and not self.no_state and not self._stepped_with_grads:
+            # optimizer state tensors are created once and updated in place: scan only when that
+            # may have changed, not every step
+            count = self.track_state() if self._state_changed() else self._state_tensors
+            if count == 0 and not self.no_state and not self._stepped_with_grads:
                 self._stepped_with_grads = _has_grads(opt)
         except Exception as exc:  # noqa: BLE001
             self._on_error(exc)

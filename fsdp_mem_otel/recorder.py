@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from fsdp_mem_otel.ledger import Ledger, RawBreakdown, as_breakdown
+from fsdp_mem_otel.ledger import Ledger, RawBreakdown
 from fsdp_mem_otel.schema import (
     AFTER_POST_BACKWARD,
     AFTER_POST_FORWARD,
@@ -29,6 +29,7 @@ from fsdp_mem_otel.schema import (
     PEAK_FORWARD,
     POST_FORWARD_AC,
     PRE_FORWARD_AC,
+    CountedModuleReport,
     ModuleReport,
 )
 
@@ -77,8 +78,8 @@ class _Calls:
         self.times: dict[str, list[int]] = {}
 
     def report(self) -> ModuleReport:
-        return ModuleReport({s: [as_breakdown(b) for b in calls] for s, calls in self.snapshots.items()},
-                            {s: list(t) for s, t in self.times.items()})
+        """As a report (sharing these lists: the recorder starts new ones at each step)."""
+        return CountedModuleReport(self.snapshots, self.times)
 
 
 class StepRecorder:

@@ -121,11 +121,21 @@ class ModuleReport:
     snapshots: dict[str, list[DeviceBreakdown]] = field(default_factory=dict)
     times: dict[str, list[int]] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, copy: bool = True) -> dict[str, Any]:
+        """As plain data; ``copy=False`` shares the snapshot and time lists (to serialize at once)."""
+        if not copy:
+            return {"snapshots": self.snapshots, "times": self.times}
         return {
             "snapshots": {s: [_copy(b) for b in calls] for s, calls in self.snapshots.items()},
             "times": {s: list(t) for s, t in self.times.items()},
         }
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ModuleReport):
+            return NotImplemented
+        return self.snapshots == other.snapshots and self.times == other.times
+
+    __hash__ = None  # type: ignore[assignment]
 
     def peak_total(self, state: str) -> int:
         """Largest ``total`` over devices and calls for ``state`` (0 if never reached)."""
@@ -133,6 +143,31 @@ class ModuleReport:
             (cats.get(TOTAL, 0) for b in self.snapshots.get(state, []) for cats in b.values()),
             default=0,
         )
+
+
+class CountedModuleReport(ModuleReport):
+    """A ModuleReport whose snapshots stay counter lists (``breakdown_of``) until first read: the
+    tracker hands these to exporters, which read them on their own threads."""
+
+    def __init__(self, counters: dict[str, list[dict[str, list[int]]]], times: dict[str, list[int]]) -> None:
+        self._counters = counters
+        self._snapshots: dict[str, list[DeviceBreakdown]] | None = None
+        self.times = times
+
+    @property  # type: ignore[override]
+    def snapshots(self) -> dict[str, list[DeviceBreakdown]]:
+        if self._snapshots is None:
+            self._snapshots = {s: [breakdown_of(b) for b in calls] for s, calls in self._counters.items()}
+        return self._snapshots
+
+    @snapshots.setter
+    def snapshots(self, value: dict[str, list[DeviceBreakdown]]) -> None:
+        self._snapshots = value
+
+
+def breakdown_of(counters: dict[str, list[int]]) -> DeviceBreakdown:
+    """Counter lists (device -> bytes indexed like ``CATEGORY_KEYS``) as ``{device: {category: bytes}}``."""
+    return {d: dict(zip(CATEGORY_KEYS, c, strict=True)) for d, c in counters.items()}
 
 
 @dataclass
@@ -200,20 +235,27 @@ class StepReport:
     deep_skipped: str | None = None
     #: what the tracker found wrong with the setup it measures (``WARNINGS``), in that order
     warnings: list[str] = field(default_factory=list)
+    #: FSDP groups light mode accounts per tensor because their own events cannot tell their
+    #: buffers' bytes (see adapters/fsdp2_groups.py); 0 on every configuration tested
+    fallback_groups: int = 0
     #: in a JSONL file: this line was written without module snapshots (the JSONL budget), and
     #: ``modules`` are those of this earlier step, which readers fill in; None: its own
     modules_from: int | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, copy: bool = True) -> dict[str, Any]:
+        """As plain data (JSON-able). ``copy=False`` shares the nested dicts and lists with this
+        report instead of copying them: for serializing it at once (the JSONL writer; at 100
+        modules the copy cost more than the JSON encoding)."""
+        copied = _copy if copy else _same
         return {
             "step": self.step,
             "rank": self.rank,
             "world_size": self.world_size,
             "mode": self.mode,
             "fsdp_version": self.fsdp_version,
-            "peak": _copy(self.peak),
-            "current": _copy(self.current),
-            "modules": {k: m.to_dict() for k, m in self.modules.items()},
+            "peak": copied(self.peak),
+            "current": copied(self.current),
+            "modules": {k: m.to_dict(copy) for k, m in self.modules.items()},
             "module_order": list(self.module_order),
             "allocator": {d: dict(v) for d, v in self.allocator.items()},
             "local_rank": self.local_rank,
@@ -226,6 +268,7 @@ class StepReport:
             "aborted": None if self.aborted is None else self.aborted.to_dict(),
             "deep_skipped": self.deep_skipped,
             "warnings": list(self.warnings),
+            "fallback_groups": self.fallback_groups,
             **({} if self.modules_from is None else {"modules_from": self.modules_from}),
         }
 
@@ -272,6 +315,7 @@ class StepReport:
             aborted=None if data.get("aborted") is None else StepAbort.from_dict(data["aborted"]),
             deep_skipped=None if data.get("deep_skipped") is None else str(data["deep_skipped"]),
             warnings=[str(w) for w in data.get("warnings", [])],
+            fallback_groups=int(data.get("fallback_groups", 0)),
             modules_from=None if data.get("modules_from") is None else int(data["modules_from"]),
         )
 

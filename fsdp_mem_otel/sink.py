@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from fsdp_mem_otel.activations import SavedTensorAccounting
-from fsdp_mem_otel.adapters.base import iter_tensors
-from fsdp_mem_otel.ledger import Ledger
+from fsdp_mem_otel.adapters.base import tensors_in
+from fsdp_mem_otel.ledger import Ledger, storages_of
 from fsdp_mem_otel.recorder import StepRecorder
 from fsdp_mem_otel.schema import (
     ACTIVATION,
@@ -104,7 +104,7 @@ class Sink:
                 elif tensors is not None:
                     if not self.deep and self._activations_on:
                         track_new = self.ledger.track_new
-                        for t in iter_tensors(tensors):
+                        for t in tensors_in(tensors):
                             track_new(t, ACTIVATION)
                 elif state in _POST_FORWARD:
                     self._note_raising_forward()
@@ -161,7 +161,7 @@ class Sink:
         elif state == AFTER_POST_FORWARD and self._recompute_depth > 0:  # always called, also when
             self._recompute_depth -= 1  # checkpointing stops the recompute early by raising
             if tensors is not None:
-                for t in iter_tensors(tensors):
+                for t in tensors_in(tensors):
                     self.ledger.track_new(t, ACTIVATION)
             if self._recompute_depth == 0:
                 self._recompute_activations.pop()
@@ -190,6 +190,22 @@ class Sink:
                 self.ledger._add(device, cat, delta)
             except Exception as exc:  # noqa: BLE001
                 self.report_error(exc)
+
+    def hold(self, st: torch.UntypedStorage, category: str) -> None:
+        """Make ``st`` known to the ledger at 0 bytes (an integer account carries its bytes)."""
+        try:
+            self.ledger.hold(st, category)
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+
+    def forget(self, obj: torch.Tensor | torch.UntypedStorage) -> None:
+        """A storage, or a tensor's storages, keep their entries at 0 bytes: FSDP let go of it
+        (whoever else still holds it), or an integer account takes its bytes over."""
+        try:
+            for st in [obj] if isinstance(obj, torch.UntypedStorage) else storages_of(obj, self.ledger.fake_mode):
+                self.ledger.forget(st)
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
 
     def track(self, tensor: torch.Tensor | None, category: str) -> None:
         """Account ``tensor``'s storages under ``category`` (re-categorizing known ones)."""

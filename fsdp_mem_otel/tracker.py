@@ -165,6 +165,12 @@ class FSDPMemoryTracker:
             self.report_error(exc, may_disable=False)
             return self
         self.attached = self._sink.active = True
+        try:
+            self._adapter.start()
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+        self.ledger.reset_step()
+        self._probe.start()
         self._begin_step()
         return self
 
@@ -175,8 +181,6 @@ class FSDPMemoryTracker:
             self.ledger.track(t, category)
         self._optimizers.attach()
         self._check_sharding()
-        self.ledger.reset_step()
-        self._probe.start()
 
     def _uninstall(self) -> None:
         self._optimizers.detach()
@@ -280,6 +284,8 @@ class FSDPMemoryTracker:
             report.aborted = self._abort
             self._optimizers.step_end()
             report.warnings = self.warnings
+            self._adapter.reconcile()
+            report.fallback_groups = self._adapter.fallback_groups
             self.recorder.close_open_windows()
             report.peak = self.ledger.step_peak()
             report.current = self.ledger.snapshot()
@@ -437,6 +443,7 @@ class FSDPMemoryTracker:
             self.ledger.offer_on_add = False
             self._sink.deep = True
             self._step_mode = DEEP
+            self._adapter.use_tensors(True)
         except Exception as exc:  # noqa: BLE001
             self._deep_mode = None
             self._restore_eager_stance()
@@ -466,6 +473,10 @@ class FSDPMemoryTracker:
                     "call tracker.step() outside any other TorchDispatchMode, on the training thread"
                 )
             mode.__exit__(None, None, None)
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+        try:
+            self._adapter.use_tensors(False)
         except Exception as exc:  # noqa: BLE001
             self.report_error(exc)
         self._restore_eager_stance()

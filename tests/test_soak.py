@@ -25,7 +25,7 @@ class SoakSample:
     step: int
     rss: int
     ledger: int  # len(tracker.ledger)
-    opt_tensors: int  # optimizer tensors the tracker keeps track of (tracker._opt_tensors)
+    opt_tensors: int  # optimizer state tensors the tracker keeps track of (its OptimizerWatch)
     windows: int  # tracker.ledger.open_windows
     logged: int  # tracker.failures.kinds_logged
     errors: int
@@ -58,7 +58,7 @@ def soak(light_steps: int, deep_steps: int) -> SoakRun:
                 gc.collect()
                 samples.append(SoakSample(
                     mode=mode, step=step, rss=proc.memory_info().rss,
-                    ledger=len(tracker.ledger), opt_tensors=len(tracker._opt_tensors),
+                    ledger=len(tracker.ledger), opt_tensors=len(tracker._optimizers._known),
                     windows=tracker.ledger.open_windows, logged=tracker.failures.kinds_logged,
                     errors=tracker.errors_total,
                     series=sum(len(f.samples) for f in exporter.registry.collect()),

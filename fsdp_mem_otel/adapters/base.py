@@ -72,6 +72,16 @@ class EventSink(Protocol):
     def end_window(self, key: str, peak_state: str) -> None:
         """End module ``key``'s ``peak_state`` window alone (windows that overlap, not nest)."""
 
+    def add(self, device: str, cat: int, delta: int) -> None:
+        """Add ``delta`` bytes to category index ``cat`` on ``device`` (integer accounts)."""
+
+    def hold(self, st: torch.UntypedStorage, category: str) -> None:
+        """Make ``st`` known at 0 bytes: an integer account carries its bytes."""
+
+    def forget(self, obj: torch.Tensor | torch.UntypedStorage) -> None:
+        """A storage, or a tensor's storages, keep their entries at 0 bytes: FSDP let go of it, or
+        an integer account takes its bytes over."""
+
     def track(self, tensor: torch.Tensor | None, category: str) -> None:
         """Account ``tensor``'s storages under ``category`` (re-categorizing known ones)."""
 
@@ -110,6 +120,36 @@ class Adapter(Protocol):
 
     def shards_nothing(self) -> bool:
         """Every FSDP module's shard group has one rank (or no sharding strategy): nothing sharded."""
+
+    def start(self) -> None:
+        """The tracker counts from now (after attach): account what FSDP holds already."""
+
+    def use_tensors(self, on: bool) -> None:
+        """Deep steps (``on``): account FSDP's buffers per tensor, as deep mode's ops see them."""
+
+    def reconcile(self) -> None:
+        """Step end: let go of what FSDP and ``zero_grad`` let go of without an event."""
+
+    @property
+    def fallback_groups(self) -> int:
+        """Groups light mode accounts per tensor because their events cannot say their bytes."""
+
+
+def tensors_in(obj: object) -> list[torch.Tensor]:
+    """The tensors inside nested lists, tuples and dicts, as a list (the hot path's ``iter_tensors``)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    out: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        elif isinstance(o, (list, tuple)):
+            stack.extend(reversed(o))
+        elif isinstance(o, dict):
+            stack.extend(reversed(list(o.values())))
+    return out
 
 
 def iter_tensors(obj: object) -> Iterable[torch.Tensor]:

@@ -1,11 +1,9 @@
 """Adapter for FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``).
 
-Tested on torch 2.13.0 and 2.14.1 (CI runs the FSDP tests on both; the package allows 2.11
-through 2.14, 2.11 and 2.12 untested; the runtime functions patched exist in both under the
-same names)
-(CPU, gloo, 2 ranks) with ``use_orig_params`` True and False, FULL_SHARD,
-SHARD_GRAD_OP and NO_SHARD, bf16 param mixed precision, and activation checkpointing applied
-inside and outside the FSDP wrappers.
+Tested on torch 2.13.0 and 2.14.1, the package's range (CI runs the FSDP tests on both; the
+runtime functions patched exist in both under the same names) (CPU, gloo, 2 ranks) with
+``use_orig_params`` True and False, FULL_SHARD, SHARD_GRAD_OP and NO_SHARD, bf16 param mixed
+precision, and activation checkpointing applied inside and outside the FSDP wrappers.
 
 Hook points:
 
@@ -271,6 +269,18 @@ class FSDP1Adapter:
                 yield p.grad, SHARDED_GRAD
         for b in self._model.buffers():
             yield b, BUFFER
+
+    # FSDP1 accounts per FlatParameter handle (one per group) in every mode
+    fallback_groups = 0
+
+    def start(self) -> None:
+        return None
+
+    def use_tensors(self, on: bool) -> None:
+        return None
+
+    def reconcile(self) -> None:
+        return None
 
     def shards_nothing(self) -> bool:
         handles = [m._handle for m in self._keys if m._handle is not None]

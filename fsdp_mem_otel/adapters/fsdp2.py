@@ -1,8 +1,8 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) adapter.
 
-Versions: CI runs the FSDP tests on torch 2.13.0 and 2.14.1; the package allows 2.11 through 2.14
-(2.11 and 2.12 untested). The FSDP2 sources of 2.13 and 2.14 differ (dtype handling of groups
-without trainable parameters, the forward unshard path), but every name read below exists in both. The private
+Versions: CI runs the FSDP tests on torch 2.13.0 and 2.14.1, the package's range. The FSDP2 sources
+of 2.13 and 2.14 differ (dtype handling of groups without trainable parameters, the forward unshard
+path), but every name read below exists in both. The private
 names it depends on are ``FSDPParamGroup.pre_backward/post_backward/unshard/wait_for_unshard/
 reshard``, ``FSDPParam.sharded_param/_unsharded_param/all_gather_outputs/
 _sharded_post_forward_param_data/unsharded_accumulated_grad``, ``_all_gather_result`` and
@@ -22,29 +22,37 @@ Hook points:
   attributes, so the class methods are what runs again. A group shared by several modules
   (``fully_shard([a, b])``) is wrapped once and reports its states for each of them.
 
-What FSDP tells us, by category (exact in light mode):
+What FSDP holds, by category (exact in light mode). Light mode counts each group's buffers as
+integers moved by these events (``fsdp2_groups.LightGroup``: constant work per group, whatever its
+number of parameters); deep steps, and a group whose events cannot tell its bytes (counted in
+``fallback_groups``), track the same buffers per tensor (``TensorGroup``). Both release the
+all-gather and reduce-scatter buffers when FSDP lets go of them, not when a communication thread
+that still holds one frees it.
 - sharded_param: each FSDPParam's local shard (``sharded_param``), at attach; parameters FSDP does
   not manage (``ignored_params``) count here too, whole.
-- unsharded_param: ``all_gather_outputs`` storages after ``wait_for_unshard``; resized to 0 on
-  ``reshard`` (re-read then). With ``reshard_after_forward=<int>``, the smaller post-forward copies
+- unsharded_param: ``all_gather_outputs`` after ``wait_for_unshard``, until ``reshard``. With
+  ``reshard_after_forward=<int>``, the smaller post-forward copies
   (``_sharded_post_forward_param_data``) FSDP keeps between forward and backward.
 - all_gather: ``_all_gather_result.all_gather_output`` after ``unshard`` (the flat buffer; the
-  all-gather input is a view into it), until FSDP drops it.
+  all-gather input is a view into it), until the copy-out, or in forward the next group's
+  copy-out (FSDP keeps it in ``comm_ctx.all_gather_state``) or the root's post-forward.
 - unsharded_grad: ``unsharded_param.grad`` when ``post_backward`` starts; after it, what FSDP keeps
   unreduced (gradient accumulation without sync: the grad itself, or the reduce-dtype
   ``unsharded_accumulated_grad`` under mixed precision).
-- sharded_grad: ``sharded_param.grad`` after ``post_backward``; grads of unmanaged parameters when
-  autograd accumulates them.
-- reduce_scatter: the newest ``comm_ctx.reduce_scatter_states`` input after ``post_backward``,
-  until FSDP releases it. Where the shard group has one rank (HSDP with shard size 1, one rank)
-  no reduce-scatter runs and the buffer is a plain copy: temp, as upstream FSDPMemTracker says.
+- sharded_grad: ``sharded_param.grad`` after ``post_backward`` (until ``zero_grad`` drops it, seen
+  at the step's end or its first forward); grads of unmanaged parameters when autograd
+  accumulates them.
+- reduce_scatter: the input FSDP appends to ``comm_ctx.reduce_scatter_states`` in
+  ``post_backward``, until it pops it or its final callback clears them. Where the shard group
+  has one rank (HSDP with shard size 1, one rank) no reduce-scatter runs and the buffer is a
+  plain copy: temp, as upstream FSDPMemTracker says.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -53,26 +61,25 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_mem_otel.adapters.base import EventSink, fsdp_module_keys, iter_tensors
+from fsdp_mem_otel.adapters.fsdp2_groups import CommMirror, LightGroup, TensorGroup, WaitToken, reduce_category
 from fsdp_mem_otel.compile_support import dynamo_safe
+from fsdp_mem_otel.ledger import INDEX
 from fsdp_mem_otel.schema import (
     AFTER_POST_BACKWARD,
     AFTER_POST_FORWARD,
     AFTER_PRE_BACKWARD,
     AFTER_PRE_FORWARD,
-    ALL_GATHER,
     BEFORE_POST_BACKWARD,
     BEFORE_POST_FORWARD,
     BEFORE_PRE_BACKWARD,
     BEFORE_PRE_FORWARD,
     BUFFER,
     PEAK_BACKWARD,
-    REDUCE_SCATTER,
     SHARDED_GRAD,
     SHARDED_PARAM,
-    TEMP,
-    UNSHARDED_GRAD,
-    UNSHARDED_PARAM,
 )
+
+_T = TypeVar("_T")
 
 
 class _SavedAttr(NamedTuple):
@@ -100,6 +107,11 @@ class FSDP2Adapter:
         self._modules = fsdp_module_keys(model, FSDPModule)
         self._handles: list[RemovableHandle] = []
         self._saved: list[_SavedAttr] = []
+        self._accounts: list[_Accounts] = []
+        self._mirrors: dict[int, CommMirror] = {}
+        self._check_grads = True
+        #: deep steps: every group accounted per tensor
+        self.per_tensor = False
 
     def module_keys(self) -> list[str]:
         return [key for key, _ in self._modules]
@@ -107,11 +119,9 @@ class FSDP2Adapter:
     def persistent_tensors(self) -> Iterator[tuple[torch.Tensor, str]]:
         managed: set[int] = set()
         for _, group in self._groups():
-            for fp in group.fsdp_params:
+            for fp in group.fsdp_params:  # their grads: the group accounts them (start())
                 managed.add(id(fp.sharded_param))
                 yield fp.sharded_param, SHARDED_PARAM
-                if fp.sharded_param.grad is not None:
-                    yield fp.sharded_param.grad, SHARDED_GRAD
         for p in self._unmanaged_params(managed):
             yield p, SHARDED_PARAM
             if p.grad is not None:
@@ -159,15 +169,16 @@ class FSDP2Adapter:
         for key, mod in self._modules:
             member = shared.get(key)
             if member is None:
-                handles.append(mod.register_forward_pre_hook(_state_hook(sink, key, BEFORE_PRE_FORWARD),
+                handles.append(mod.register_forward_pre_hook(_begin_hook(sink, key, self._forward_begins),
                                                              prepend=True))
             else:  # also sees the inputs, before FSDP's pre-forward wraps them
-                handles.append(mod.register_forward_pre_hook(_member_pre_hook(sink, key, member), prepend=True,
-                                                             with_kwargs=True))
+                handles.append(mod.register_forward_pre_hook(_member_pre_hook(sink, key, member, self._forward_begins),
+                                                             prepend=True, with_kwargs=True))
             handles.append(mod.register_forward_pre_hook(_inputs_hook(sink, key), with_kwargs=True))
-            handles.append(mod.register_forward_hook(_io_hook(sink, key, BEFORE_POST_FORWARD, 2, member),
+            handles.append(mod.register_forward_hook(_io_hook(sink, key, BEFORE_POST_FORWARD, windows=member),
                                                      prepend=True))
-            handles.append(mod.register_forward_hook(_io_hook(sink, key, AFTER_POST_FORWARD, 2), always_call=True))
+            handles.append(mod.register_forward_hook(_io_hook(sink, key, AFTER_POST_FORWARD, first=self._forward_ends),
+                                                     always_call=True))
         managed: set[int] = set()
         for keys, group in groups:
             managed.update(id(fp.sharded_param) for fp in group.fsdp_params)
@@ -188,6 +199,8 @@ class FSDP2Adapter:
             else:
                 delattr(s.owner, s.name)
         self._saved.clear()
+        self._accounts.clear()
+        self._mirrors.clear()
 
     def _patch(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
         existed = name in owner.__dict__
@@ -196,11 +209,8 @@ class FSDP2Adapter:
 
     def _patch_group(self, keys: list[str], group: Any, shared: _SharedGroupWindows | None) -> None:
         sink = self._sink
-        view = _GroupView(group)
-        fsdp_params = view.fsdp_params
-        rs_group = getattr(group, "_reduce_scatter_process_group", None)
-        reduce_category = TEMP if rs_group is None or rs_group.size() == 1 else REDUCE_SCATTER
-        post_forward_shards = getattr(group, "post_forward_mesh_info", None) is not None
+        acct = _Accounts(group, sink, self._mirror_of, self.per_tensor)
+        self._accounts.append(acct)
 
         def on_state(state: str) -> Callable[[], None]:
             # the group's states are every member's; with several members the backward peak
@@ -215,76 +225,164 @@ class FSDP2Adapter:
 
             return emit
 
-        before_pre_backward, after_pre_backward = on_state(BEFORE_PRE_BACKWARD), on_state(AFTER_PRE_BACKWARD)
         emit_before_post_backward, emit_after_post_backward = (
             on_state(BEFORE_POST_BACKWARD), on_state(AFTER_POST_BACKWARD))
+        orig_post_backward, orig_wait = group.post_backward, group.wait_for_unshard
+        orig_pre_backward = group.pre_backward
 
-        def before_post_backward() -> None:
-            sink.track_all([getattr(getattr(fp, "_unsharded_param", None), "grad", None) for fp in fsdp_params]
-                           + [fp.unsharded_accumulated_grad for fp in fsdp_params], UNSHARDED_GRAD)
-            emit_before_post_backward()
+        def post_backward(*args: Any, **kwargs: Any) -> Any:
+            count = _guarded_value(sink, acct.before_post_backward)
+            _guarded(sink, emit_before_post_backward)
+            out = orig_post_backward(*args, **kwargs)
+            _guarded(sink, lambda: acct.after_post_backward(count))
+            _guarded(sink, emit_after_post_backward)
+            return out
 
-        def after_post_backward() -> None:
-            sink.track_all([fp.sharded_param.grad for fp in fsdp_params], SHARDED_GRAD)
-            # kept unreduced (accumulation without gradient sync)
-            sink.track_all([fp.unsharded_accumulated_grad for fp in fsdp_params], UNSHARDED_GRAD)
-            sink.refresh_storages(view.unsharded_storages())
-            states = getattr(group.comm_ctx, "reduce_scatter_states", None)
-            if states:
-                sink.track(states[-1].reduce_scatter_input, reduce_category)
-            emit_after_post_backward()
+        def wait_for_unshard(*args: Any, **kwargs: Any) -> Any:
+            before = _guarded_value(sink, acct.before_wait)
+            out = orig_wait(*args, **kwargs)
+            _guarded(sink, lambda: acct.after_wait(before))
+            return out
 
-        def after_unshard() -> None:
-            if group._all_gather_result is not None:
-                sink.track(group._all_gather_result.all_gather_output, ALL_GATHER)
+        pre_backward = _around(sink, orig_pre_backward, on_state(BEFORE_PRE_BACKWARD), on_state(AFTER_PRE_BACKWARD))
+        self._patch(group, "pre_backward", dynamo_safe(_unless_in_pre_backward(group, pre_backward, orig_pre_backward)))
+        self._patch(group, "post_backward", dynamo_safe(post_backward))
+        self._patch(group, "unshard", dynamo_safe(_around(sink, group.unshard, None, acct.after_unshard)))
+        self._patch(group, "wait_for_unshard", dynamo_safe(wait_for_unshard))
+        self._patch(group, "reshard", dynamo_safe(_around(sink, group.reshard, None, acct.after_reshard)))
 
-        def after_wait_for_unshard() -> None:
-            sink.track_storages(view.unsharded_storages(), UNSHARDED_PARAM)
+    # -- light mode's integer accounts --------------------------------------------------------
+    def _mirror_of(self, comm: Any) -> CommMirror:
+        # FSDP's lazy init gives every group the root's communication context: look it up at
+        # each event, not once
+        mirror = self._mirrors.get(id(comm))
+        if mirror is None or mirror.comm is not comm:
+            mirror = self._mirrors[id(comm)] = CommMirror(comm, self._sink)
+        return mirror
 
-        def after_reshard() -> None:
-            sink.refresh_storages(view.unsharded_storages())
-            if post_forward_shards:
-                sink.track_all([getattr(fp, "_sharded_post_forward_param_data", None) for fp in fsdp_params],
-                               UNSHARDED_PARAM)
+    def start(self) -> None:
+        """The tracker counts from now: light groups count what FSDP holds already."""
+        for acct in self._accounts:
+            acct.sync()
 
-        wrappers: dict[str, tuple[Callable[[], None] | None, Callable[[], None] | None]] = {
-            "pre_backward": (before_pre_backward, after_pre_backward),
-            "post_backward": (before_post_backward, after_post_backward),
-            "unshard": (None, after_unshard),
-            "wait_for_unshard": (None, after_wait_for_unshard),
-            "reshard": (None, after_reshard),
-        }
-        for name, (before, after) in wrappers.items():
-            orig = getattr(group, name)
-            wrapper = _around(sink, orig, before, after)
-            if name == "pre_backward":
-                # Runs once per output tensor that needs grad; FSDP acts on the first call only.
-                wrapper = _unless_in_pre_backward(group, wrapper, orig)
-            self._patch(group, name, dynamo_safe(wrapper))
+    def use_tensors(self, on: bool) -> None:
+        """Deep steps (``on``) account every group per tensor, as deep mode's per-op accounting
+        sees the same storages; afterwards light groups take over again from the tensors."""
+        if on == self.per_tensor:
+            return
+        self.per_tensor = on
+        if on:
+            for mirror in self._mirrors.values():
+                mirror.drop_counts()
+        for acct in self._accounts:
+            acct.use_tensors(on)
+
+    def reconcile(self) -> None:
+        """Let go of what FSDP and ``zero_grad`` let go of without an event (the step ends)."""
+        for mirror in self._mirrors.values():
+            mirror.reconcile()
+        for acct in self._accounts:
+            acct.reconcile()
+        self._check_grads = True
+
+    def _forward_begins(self) -> None:
+        for mirror in self._mirrors.values():
+            mirror.reconcile()
+        if self._check_grads:  # once per step, at its first forward: zero_grad ran before it
+            self._check_grads = False
+            for acct in self._accounts:
+                acct.reconcile()
+
+    def _forward_ends(self) -> None:
+        for mirror in self._mirrors.values():  # the root's post-forward frees the deferred output
+            mirror.reconcile()
+
+    @property
+    def fallback_groups(self) -> int:
+        """Groups that light mode accounts per tensor, because their events cannot say it."""
+        return sum(acct.fell_back for acct in self._accounts)
 
 
-class _GroupView:
-    """One FSDPParamGroup's parameters and unsharded-parameter storages, looked up once.
+class _Accounts:
+    """One group's accounting: ``LightGroup`` in light mode, ``TensorGroup`` in deep steps and
+    for good once the light one finds the group unfit (the fallback)."""
 
-    FSDP2 allocates each parameter's ``all_gather_outputs`` once and resizes their storages
-    between full and 0 at every unshard / reshard; the storage objects stay, so the list is
-    rebuilt only when the first output tensor is a different object.
-    """
+    __slots__ = ("_comm", "_mirror_cached", "_mirror_of", "_rs_cat", "_sink", "current", "fell_back", "light",
+                 "tensors")
 
-    __slots__ = ("_first", "_storages", "fsdp_params")
+    def __init__(self, group: Any, sink: EventSink, mirror_of: Callable[[Any], CommMirror], per_tensor: bool) -> None:
+        category = reduce_category(group)
+        self._sink = sink
+        self._mirror_of = mirror_of
+        self._comm: Any = None
+        self._mirror_cached: CommMirror | None = None
+        self._rs_cat = INDEX[category]
+        self.light = LightGroup(group, sink)
+        self.tensors = TensorGroup(group, sink, category, getattr(group, "post_forward_mesh_info", None) is not None)
+        self.fell_back = self.light.unfit is not None
+        self.current: LightGroup | TensorGroup = self.tensors if per_tensor or self.fell_back else self.light
 
-    def __init__(self, group: Any) -> None:
-        self.fsdp_params: list[Any] = list(group.fsdp_params)
-        self._first: Any = None
-        self._storages: list[torch.UntypedStorage] = []
+    def sync(self) -> None:
+        self.current.sync()
 
-    def unsharded_storages(self) -> list[torch.UntypedStorage]:
-        outputs = self.fsdp_params[0].all_gather_outputs if self.fsdp_params else []
-        first = outputs[0] if outputs else None
-        if first is not self._first:
-            self._storages = [t.untyped_storage() for fp in self.fsdp_params for t in fp.all_gather_outputs]
-            self._first = first
-        return self._storages
+    def use_tensors(self, on: bool) -> None:
+        if self.fell_back:
+            return
+        if on:
+            self.light.drop_counts()
+            self.current = self.tensors
+            self.tensors.sync()
+        else:
+            for t in self.light.tensors():
+                self._sink.forget(t)
+            self.current = self.light
+            self.light.sync()
+
+    def _fall_back(self) -> None:
+        self.fell_back = True
+        self.light.drop_counts()
+        self.current = self.tensors
+        self.tensors.sync()
+
+    # -- events --------------------------------------------------------------------------------
+    def after_unshard(self) -> None:
+        self.current.after_unshard()
+
+    @property
+    def _mirror(self) -> CommMirror:
+        comm = self.light.group.comm_ctx
+        if comm is not self._comm or self._mirror_cached is None:
+            self._comm, self._mirror_cached = comm, self._mirror_of(comm)
+        return self._mirror_cached
+
+    def before_wait(self) -> WaitToken:
+        return self._mirror.before_wait(self.light.group, self.current is self.tensors)
+
+    def after_wait(self, before: WaitToken | None) -> None:
+        current = self.current
+        deferred = False
+        if before is not None:
+            deferred = self._mirror.after_wait(before, self.light.dev, current.pending_all_gather())
+        current.after_wait(deferred, before)
+
+    def after_reshard(self) -> None:
+        self.current.after_reshard()
+
+    def before_post_backward(self) -> int:
+        self.current.before_post_backward()
+        return self._mirror.rs_count()
+
+    def after_post_backward(self, count: int | None) -> None:
+        current = self.current
+        appended = None
+        if count is not None:
+            appended = self._mirror.after_post_backward(count, self._rs_cat, current is self.light)
+        current.after_post_backward(appended)
+        if current is self.light and self.light.unfit is not None:
+            self._fall_back()
+
+    def reconcile(self) -> None:
+        self.current.reconcile()
 
 
 def _around(
@@ -324,9 +422,20 @@ def _guarded(sink: EventSink, fn: Callable[[], None]) -> None:
         sink.report_error(exc)
 
 
-def _state_hook(sink: EventSink, key: str, state: str) -> Callable[..., None]:
+def _guarded_value(sink: EventSink, fn: Callable[[], _T]) -> _T | None:
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - the tracker must never break training
+        sink.report_error(exc)
+        return None
+
+
+def _begin_hook(sink: EventSink, key: str, first: Callable[[], None]) -> Callable[..., None]:
+    """before_pre_forward, after ``first`` (the adapter's catching up with FSDP)."""
+
     def hook(*_: Any) -> None:
-        sink.on_state(key, state)
+        _guarded(sink, first)
+        sink.on_state(key, BEFORE_PRE_FORWARD)
 
     return dynamo_safe(hook)
 
@@ -340,10 +449,12 @@ def _inputs_hook(sink: EventSink, key: str) -> Callable[..., None]:
     return dynamo_safe(hook)
 
 
-def _member_pre_hook(sink: EventSink, key: str, windows: _SharedGroupWindows) -> Callable[..., None]:
+def _member_pre_hook(sink: EventSink, key: str, windows: _SharedGroupWindows,
+                     first: Callable[[], None]) -> Callable[..., None]:
     """before_pre_forward of a module sharing its FSDP group: also marks where its backward ends."""
 
     def hook(_module: Any, args: Any, kwargs: Any) -> None:
+        _guarded(sink, first)
         sink.on_state(key, BEFORE_PRE_FORWARD)
         _guarded(sink, lambda: windows.inputs(key, (args, kwargs)))
 
@@ -443,15 +554,17 @@ def _grad_node(t: torch.Tensor) -> Any:
         return t.view_as(t).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
 
 
-def _io_hook(sink: EventSink, key: str, state: str, index: int,
-             windows: _SharedGroupWindows | None = None) -> Callable[..., None]:
-    """A forward hook passing the module's outputs (``index`` 2 of its arguments) with the state;
-    for a module sharing its group, also marks where its backward will start."""
+def _io_hook(sink: EventSink, key: str, state: str, windows: _SharedGroupWindows | None = None,
+             first: Callable[[], None] | None = None) -> Callable[..., None]:
+    """A forward hook passing the module's outputs with the state, after ``first``; for a module
+    sharing its group, also marks where its backward will start."""
 
-    def hook(*args: Any) -> None:
-        sink.on_state(key, state, args[index])
+    def hook(_module: Any, _args: Any, outputs: Any) -> None:
+        if first is not None:
+            _guarded(sink, first)
+        sink.on_state(key, state, outputs)
         if windows is not None:
-            _guarded(sink, lambda: windows.outputs(key, args[index]))
+            _guarded(sink, lambda: windows.outputs(key, outputs))
 
     return dynamo_safe(hook)
 
