@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_mem_otel.demo import WrapOptions, build, init_distributed, make_batch, train_step
-from fsdp_mem_otel.tracker import FSDPMemoryTracker
+from fsdp_mem_otel.training.demo import WrapOptions, build, init_distributed, make_batch, train_step
+from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
 MODELS = {
     "dispatch-16": (16, 64, 8),  # blocks, width, batch

@@ -3,7 +3,7 @@
 Writes one JSONL file per rank in the exporter's exact format (``StepReport.to_dict()``, sorted
 keys, one line per step): every step carries a full module breakdown (each module x 10 FSDP states
 x 12 categories on ``cuda:<rank>``, with times), every ``--deep-every``-th step is deep, and a few
-steps per rank are aborted by an injected OOM. Then it runs ``python -m fsdp_mem_otel.report`` on
+steps per rank are aborted by an injected OOM. Then it runs ``python -m fsdp_mem_otel.offline.report`` on
 them in a subprocess (so import time counts) and prints the page size and wall time. Like
 ``JSONLExporter``, it writes each file's side index ``<file>.index`` with the exporter's own
 ``index_line`` (``--no-index`` leaves it out, to time the full scan).
@@ -158,7 +158,7 @@ def main() -> int:
         if args.drop_caches:
             os.sync()
             Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        cmd = [sys.executable, "-m", "fsdp_mem_otel.report", *files, "-o", str(out)]
+        cmd = [sys.executable, "-m", "fsdp_mem_otel.offline.report", *files, "-o", str(out)]
         t1 = time.perf_counter()
         subprocess.run(cmd, check=True, cwd=REPO)
         seconds = time.perf_counter() - t1

@@ -113,3 +113,13 @@ def seconds_at_least_zero(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {value}")
     return value
+
+
+def check_path(name: str, value: object) -> str:
+    """``value`` as a non-empty file path (str or os.PathLike); errors name ``name``."""
+    if isinstance(value, bytes) or not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a str or os.PathLike; got {type(value).__name__}")
+    text = os.fspath(value)
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"{name} must be a non-empty file path; got {value!r}")
+    return text

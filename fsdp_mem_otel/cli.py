@@ -25,7 +25,7 @@ commands:
 def demo(argv: Sequence[str]) -> int:
     """Launch the demo's ranks under torchrun (gloo, CPU), after validating the options and the
     FSDP_MEM_OTEL_* environment here (the ranks read both, as a job does)."""
-    from fsdp_mem_otel.demo import add_demo_args, demo_configs
+    from fsdp_mem_otel.training.demo import add_demo_args, demo_configs
 
     p = argparse.ArgumentParser(
         prog="fsdp-mem-otel demo",
@@ -48,7 +48,7 @@ def demo(argv: Sequence[str]) -> int:
     rank_args = [a for a in rank_args if not a.startswith("--nproc=")]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-        "-m", "fsdp_mem_otel.demo", *rank_args,
+        "-m", "fsdp_mem_otel.training.demo", *rank_args,
     ]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -57,37 +57,37 @@ def demo(argv: Sequence[str]) -> int:
 
 
 def estimate(argv: Sequence[str]) -> int:
-    from fsdp_mem_otel.estimate import estimate_main
+    from fsdp_mem_otel.training.estimate import estimate_main
 
     return estimate_main(argv)
 
 
 def serve(argv: Sequence[str]) -> int:
-    from fsdp_mem_otel.serve import serve_main
+    from fsdp_mem_otel.fleet.serve import serve_main
 
     return serve_main(argv)
 
 
 def rules(argv: Sequence[str]) -> int:
-    from fsdp_mem_otel.alerts import rules_main
+    from fsdp_mem_otel.fleet.alerts import rules_main
 
     return rules_main(list(argv))
 
 
 def dashboards(argv: Sequence[str]) -> int:
-    from fsdp_mem_otel.dashboards import dashboards_main
+    from fsdp_mem_otel.fleet.dashboards import dashboards_main
 
     return dashboards_main(list(argv))
 
 
 def report(argv: Sequence[str]) -> int:
-    from fsdp_mem_otel.report import report_main
+    from fsdp_mem_otel.offline.report import report_main
 
     return report_main(list(argv))
 
 
 def compare(argv: Sequence[str]) -> int:
-    from fsdp_mem_otel.compare import compare_main
+    from fsdp_mem_otel.offline.compare import compare_main
 
     return compare_main(list(argv))
 

@@ -15,16 +15,19 @@ from dataclasses import dataclass, fields
 from typing import TypeVar
 
 from fsdp_mem_otel import env
-from fsdp_mem_otel.catalog import DEFAULT_DETAIL_TOP_K
 from fsdp_mem_otel.checks import (
     check_bool,
     check_int,
     check_optional_int,
+    check_path,
     check_seconds,
     check_text,
     check_tls,
 )
 from fsdp_mem_otel.schema import MODES
+
+#: modules with Prometheus detail series by default (detail=True): the largest peaks first
+DEFAULT_DETAIL_TOP_K = 8
 
 #: TrackerConfig's environment: variable -> field
 _ENV_FIELDS = {
@@ -202,8 +205,6 @@ class JSONLConfig:
     modules_change: float = DEFAULT_JSONL_MODULES_CHANGE
 
     def __post_init__(self) -> None:
-        from fsdp_mem_otel.jsonl_format import check_path
-
         check_path("path", self.path)
         check_int("max_bytes", self.max_bytes)
         check_int("backup_count", self.backup_count)

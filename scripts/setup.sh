@@ -20,7 +20,7 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test]"
-# torchtitan's own classes for tests/test_torchtitan_harm.py (see the requirements files for why
+# torchtitan's own classes for tests/training/test_torchtitan_harm.py (see the requirements files for why
 # without its declared dependencies)
 .venv/bin/python -m pip install -q --no-deps -r tests/requirements-torchtitan.txt
 .venv/bin/python -m pip install -q -r tests/requirements-torchtitan-deps.txt

@@ -51,7 +51,7 @@ def grad_bytes(model: nn.Module) -> int:
 
 def expected_module_keys(blocks: int, nested: bool = False) -> list[str]:
     """Oracle for module keys: the unwrapped model's own names of what gets sharded."""
-    from fsdp_mem_otel.demo import Block, BlockModel, InnerLinear
+    from fsdp_mem_otel.training.demo import Block, BlockModel, InnerLinear
 
     kinds = (Block, InnerLinear) if nested else (Block,)
     plain = BlockModel(blocks, 8)
@@ -60,7 +60,7 @@ def expected_module_keys(blocks: int, nested: bool = False) -> list[str]:
 
 def block_param_bytes() -> int:
     """Unsharded bytes of one Block's parameters, from the unwrapped module."""
-    from fsdp_mem_otel.demo import Block
+    from fsdp_mem_otel.training.demo import Block
 
     return sum(p.numel() * p.element_size() for p in Block(WIDTH).parameters())
 
@@ -126,7 +126,7 @@ def step_under_upstream(model: nn.Module, opt: torch.optim.Optimizer, x: torch.T
     very same step."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    from fsdp_mem_otel.tracker import FSDPMemoryTracker
+    from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
     settle()
     upstream = FSDPMemTracker(model, opt)

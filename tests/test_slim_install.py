@@ -20,7 +20,7 @@ from tests.dist import free_ports
 from tests.exporters import prom_workers
 from tests.exporters.test_prometheus import value
 from tests.exporters.test_sidecar import write_ranks
-from tests.test_report import synthetic, write_jsonl
+from tests.offline.test_report import synthetic, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 SLIM = ROOT / ".venv-slim" / "bin"

@@ -1,6 +1,6 @@
 """JSONL exporter: one ``StepReport.to_dict()`` per line, size-capped rotation. Does not import torch.
 
-``export()`` hands the report to a background worker (``fsdp_mem_otel.worker``) and returns; the
+``export()`` hands the report to a background worker (``fsdp_mem_otel.exporters.worker``) and returns; the
 worker serializes it (JSON, sorted keys) and writes the line with one unbuffered ``write`` to a
 file opened in append mode, so what a step wrote is in the kernel once the worker is past it: a
 crash loses at most the step in flight (and what waits behind a stalled file system). What waits
@@ -41,8 +41,9 @@ import os
 from typing import Any
 
 from fsdp_mem_otel.config import DEFAULT_JSONL_MODULES_CHANGE, DEFAULT_JSONL_MODULES_EVERY, JSONLConfig
+from fsdp_mem_otel.exporters.worker import BackgroundWorker
 from fsdp_mem_otel.failures import FailureLog
-from fsdp_mem_otel.jsonl_format import (
+from fsdp_mem_otel.offline.jsonl_format import (
     GZIP_SUFFIX,
     INDEX_OMITS,
     INDEX_SUFFIX,
@@ -61,7 +62,6 @@ from fsdp_mem_otel.jsonl_format import (
     slot_files,
 )
 from fsdp_mem_otel.schema import DEEP, PEAK_BACKWARD, PEAK_FORWARD, TOTAL, StepReport
-from fsdp_mem_otel.worker import BackgroundWorker
 
 # the file format lives in jsonl_format; these names stay importable from here
 __all__ = ["INDEX_OMITS", "INDEX_SUFFIX", "RANK_PLACEHOLDER", "JSONLExporter", "index_line", "index_path",

@@ -122,6 +122,7 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 
 from fsdp_mem_otel import __version__, env
 from fsdp_mem_otel.config import DEFAULT_MODULE_SPANS_EVERY, OTelConfig
+from fsdp_mem_otel.exporters.worker import BackgroundWorker, at_exit
 from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.identity import Identity
 from fsdp_mem_otel.schema import (
@@ -140,7 +141,6 @@ from fsdp_mem_otel.schema import (
     DeviceBreakdown,
     StepReport,
 )
-from fsdp_mem_otel.worker import BackgroundWorker, at_exit
 
 logger = logging.getLogger(__name__)
 

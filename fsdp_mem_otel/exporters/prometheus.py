@@ -3,7 +3,7 @@ written to a sidecar directory. Does not import torch.
 
 Collection is apart from encoding, as in prometheus_client: ``StepReportCollector.collect()``
 builds metric families from the last report at scrape time (every name, type, help and label
-comes from ``fsdp_mem_otel.catalog``), and ``generate_latest`` encodes them. ``export()`` only
+comes from ``fsdp_mem_otel.fleet.catalog``), and ``generate_latest`` encodes them. ``export()`` only
 swaps a reference and wakes the sidecar writer thread, so a training step never waits for a
 scrape or a file write.
 
@@ -30,12 +30,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from fsdp_mem_otel import __version__
-from fsdp_mem_otel import catalog as cat
 from fsdp_mem_otel.checks import check_int
 from fsdp_mem_otel.config import DEFAULT_BASE_PORT, DEFAULT_SIDECAR_INTERVAL, PrometheusConfig
+from fsdp_mem_otel.exporters.worker import BackgroundWorker, at_exit, end_reason
 from fsdp_mem_otel.failures import FailureLog
+from fsdp_mem_otel.fleet import catalog as cat
+from fsdp_mem_otel.fleet.rank_files import rank_file_name
 from fsdp_mem_otel.identity import Identity
-from fsdp_mem_otel.rank_files import rank_file_name
 from fsdp_mem_otel.schema import (
     AFTER_POST_FORWARD,
     BEFORE_PRE_FORWARD,
@@ -50,7 +51,6 @@ from fsdp_mem_otel.schema import (
     StepAbort,
     StepReport,
 )
-from fsdp_mem_otel.worker import BackgroundWorker, at_exit, end_reason
 
 logger = logging.getLogger(__name__)
 
@@ -371,7 +371,7 @@ class PrometheusExporter:
             at_exit(self.shutdown)
 
     def _load_estimate(self, path: str, rank: int) -> StepReport | None:
-        from fsdp_mem_otel.jsonl_format import read_reports
+        from fsdp_mem_otel.offline.jsonl_format import read_reports
 
         try:
             reports = list(read_reports(path))
@@ -429,7 +429,7 @@ class PrometheusExporter:
         return generate_latest(self.collector)
 
     def _start_http(self, port: int, certfile: str | None, keyfile: str | None, client_cafile: str | None) -> None:
-        from fsdp_mem_otel.http_server import MetricsServer, ssl_context
+        from fsdp_mem_otel.fleet.http_server import MetricsServer, ssl_context
 
         try:
             ctx = ssl_context(certfile, keyfile, client_cafile) if certfile is not None and keyfile is not None \

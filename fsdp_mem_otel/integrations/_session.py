@@ -45,7 +45,7 @@ class TrackingSession:
         arguments of ``model`` as inputs (for frameworks that never show callbacks the batch)."""
         if self.tracker is not None or self.failed is not None:
             return
-        from fsdp_mem_otel.tracker import FSDPMemoryTracker
+        from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
         try:
             if self._config is None and self._exporters is None:

@@ -17,11 +17,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from fsdp_mem_otel.catalog import END_ERROR
 from fsdp_mem_otel.config import TrackerConfig
 from fsdp_mem_otel.exporters import Exporter
+from fsdp_mem_otel.exporters.worker import mark_end
+from fsdp_mem_otel.fleet.catalog import END_ERROR
 from fsdp_mem_otel.integrations._session import OnReport, TrackingSession
-from fsdp_mem_otel.worker import mark_end
 
 
 class FSDPMemoryCallback(pl.Callback):  # type: ignore[misc]

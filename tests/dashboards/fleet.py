@@ -42,11 +42,11 @@ from typing import Any
 
 import promql_parser
 
-from fsdp_mem_otel import dashboards as dash
 from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
+from fsdp_mem_otel.fleet import dashboards as dash
+from fsdp_mem_otel.fleet.serve import SidecarCollector
 from fsdp_mem_otel.identity import Identity
 from fsdp_mem_otel.schema import CATEGORY_KEYS, STATES, ModuleReport, StepReport
-from fsdp_mem_otel.serve import SidecarCollector
 from tests.dashboards.test_dashboards import substitute, targets, variables
 from tests.dist import free_ports
 from tests.prometheus_server import running_prometheus

@@ -19,9 +19,9 @@ from typing import Any
 import promql_parser
 import pytest
 
-from fsdp_mem_otel import catalog as cat
-from fsdp_mem_otel import dashboards as dash
-from fsdp_mem_otel.alerts import RECORDED_LABELS
+from fsdp_mem_otel.fleet import catalog as cat
+from fsdp_mem_otel.fleet import dashboards as dash
+from fsdp_mem_otel.fleet.alerts import RECORDED_LABELS
 
 REPO = Path(__file__).resolve().parents[2]
 COMMITTED = REPO / "dashboards"
@@ -281,7 +281,7 @@ def test_every_metric_is_in_the_catalog(built: list[dash.Dashboard]) -> None:
                 assert names and names <= catalog
                 assert all(label in _labels_of(x) for x in names)
     # the dashboards cover the memory metrics operators need, directly or through recorded series
-    from fsdp_mem_otel.alerts import recording_rules
+    from fsdp_mem_otel.fleet.alerts import recording_rules
 
     reads = {r["record"]: metric_names(r["expr"]) for r in recording_rules()}
     for _ in range(3):  # recorded series read other recorded series

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from fsdp_mem_otel import alerts
+from fsdp_mem_otel.fleet import alerts
 from fsdp_mem_otel.schema import TOTAL
 from tests.dashboards.fleet import (
     MAX_SAMPLES,

@@ -27,9 +27,9 @@ from typing import Any
 
 import pytest
 
-from fsdp_mem_otel import catalog as cat
-from fsdp_mem_otel import dashboards as dash
 from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
+from fsdp_mem_otel.fleet import catalog as cat
+from fsdp_mem_otel.fleet import dashboards as dash
 from fsdp_mem_otel.identity import Identity
 from tests.dashboards import live_workers
 from tests.dashboards.test_dashboards import (

@@ -42,8 +42,8 @@ from typing import Any
 import pytest
 import yaml
 
-from fsdp_mem_otel import alerts
-from fsdp_mem_otel import catalog as cat
+from fsdp_mem_otel.fleet import alerts
+from fsdp_mem_otel.fleet import catalog as cat
 from tests.dist import free_ports
 from tests.prometheus_server import PrometheusProcess
 
@@ -70,10 +70,10 @@ def _rank(job: str, rank: int, world: int, port: int, node: str, sidecar: str, s
     import torch
     import torch.distributed as dist
 
-    from fsdp_mem_otel.demo import WrapOptions, build, make_batch, train_step
     from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
     from fsdp_mem_otel.identity import Identity
-    from fsdp_mem_otel.tracker import FSDPMemoryTracker
+    from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch, train_step
+    from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -181,7 +181,7 @@ class Sidecar:
     """``fsdp-mem-otel serve`` over one node's rank files, restartable."""
 
     def __init__(self, directory: Path, port: int, log: Path) -> None:
-        self.argv = [sys.executable, "-m", "fsdp_mem_otel.serve", "--dir", str(directory), "--port", str(port),
+        self.argv = [sys.executable, "-m", "fsdp_mem_otel.fleet.serve", "--dir", str(directory), "--port", str(port),
                      "--addr", "127.0.0.1", "--stale-seconds", "3", "--ended-seconds", str(ENDED)]
         self.url, self.log = f"http://127.0.0.1:{port}/", log
         self.proc: subprocess.Popen[bytes] | None = None

@@ -27,8 +27,8 @@ import pytest
 import yaml
 from referencing import Registry, Resource
 
-from fsdp_mem_otel import alerts
-from fsdp_mem_otel import catalog as cat
+from fsdp_mem_otel.fleet import alerts
+from fsdp_mem_otel.fleet import catalog as cat
 from fsdp_mem_otel.schema import CATEGORY_KEYS
 from tests.exporters.test_prometheus import big_report, exposition, samples
 
@@ -323,8 +323,8 @@ def test_central_accepts_the_backlog_of_the_outage_the_agent_rides_out() -> None
 
 
 def test_training_pod_gives_the_sidecar_time_to_deliver_the_ranks_end() -> None:
-    from fsdp_mem_otel.serve import DEFAULT_DRAIN_SECONDS
-    from fsdp_mem_otel.worker import EXIT_DEADLINE_SECONDS
+    from fsdp_mem_otel.exporters.worker import EXIT_DEADLINE_SECONDS
+    from fsdp_mem_otel.fleet.serve import DEFAULT_DRAIN_SECONDS
 
     spec = _pod()["spec"]
     interval = _one("PodMonitor")["spec"]["podMetricsEndpoints"][0]["interval"]

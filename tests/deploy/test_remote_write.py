@@ -19,8 +19,14 @@ from typing import Any
 import pytest
 import yaml
 
-from fsdp_mem_otel.alerts import REC_JOB_MODULE_PEAK, REC_JOB_PEAK_MAX, REC_JOB_STALE, REC_RANK_PEAK, RECORDED_LABELS
 from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
+from fsdp_mem_otel.fleet.alerts import (
+    REC_JOB_MODULE_PEAK,
+    REC_JOB_PEAK_MAX,
+    REC_JOB_STALE,
+    REC_RANK_PEAK,
+    RECORDED_LABELS,
+)
 from fsdp_mem_otel.identity import Identity
 from fsdp_mem_otel.schema import StepReport
 from tests.dist import free_ports

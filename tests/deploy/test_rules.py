@@ -11,8 +11,8 @@ import promql_parser
 import pytest
 import yaml
 
-from fsdp_mem_otel import alerts
-from fsdp_mem_otel import catalog as cat
+from fsdp_mem_otel.fleet import alerts
+from fsdp_mem_otel.fleet import catalog as cat
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -197,8 +197,8 @@ def _train(exporters: list[Any], steps: int, pause: float = 0.0) -> dict[str, An
     processor's 50 ms schedule starts exports while the loop still runs, however fast it is)."""
     import torch.distributed as dist
 
-    from fsdp_mem_otel.demo import WrapOptions, build, make_batch, train_step
-    from fsdp_mem_otel.tracker import FSDPMemoryTracker
+    from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch, train_step
+    from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
     rank = dist.get_rank()
     model, opt = build(BLOCKS, WIDTH, WrapOptions(fsdp=2))

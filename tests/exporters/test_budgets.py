@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_mem_otel import catalog as cat
+from fsdp_mem_otel.fleet import catalog as cat
 from tests.dist import run_ranks
 
 MODULES = 100  # FSDP modules: 99 blocks and the root
@@ -59,11 +59,11 @@ def budget_run(directory: str) -> Emitted:
 
     from fsdp_mem_otel import FSDPMemoryTracker
     from fsdp_mem_otel.config import TrackerConfig
-    from fsdp_mem_otel.demo import make_batch, train_step
     from fsdp_mem_otel.exporters.jsonl import JSONLExporter
     from fsdp_mem_otel.exporters.otel import OTelSpanExporter
     from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
-    from fsdp_mem_otel.jsonl_format import read_reports
+    from fsdp_mem_otel.offline.jsonl_format import read_reports
+    from fsdp_mem_otel.training.demo import make_batch, train_step
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(MODULES - 1)])

@@ -13,7 +13,7 @@ from fsdp_mem_otel.identity import Identity
 from fsdp_mem_otel.schema import CATEGORY_KEYS, PEAK_BACKWARD, PEAK_FORWARD, TOTAL, StepReport
 from tests.exporters import prom_workers
 from tests.exporters.test_prometheus import promtool_check, samples
-from tests.test_report import synthetic, write_jsonl
+from tests.offline.test_report import synthetic, write_jsonl
 
 IDENTITY = Identity("train", 1, 1, 2, "h")
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from fsdp_mem_otel import jsonl_format
 from fsdp_mem_otel.exporters import jsonl
 from fsdp_mem_otel.exporters.jsonl import JSONLExporter, read_reports, rotated_files
+from fsdp_mem_otel.offline import jsonl_format
 from fsdp_mem_otel.schema import CATEGORY_KEYS, STATES, ModuleReport, StepAbort, StepReport
 
 REPO = Path(__file__).resolve().parents[2]
@@ -368,8 +368,8 @@ def train_with_jsonl(path_template: str) -> list[StepReport]:
     """Rank side: 3 FSDP2 steps under the tracker with a JSONLExporter; returns step() reports."""
     import torch.distributed as dist
 
-    from fsdp_mem_otel.demo import WrapOptions, build, make_batch, train_step
-    from fsdp_mem_otel.tracker import FSDPMemoryTracker
+    from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch, train_step
+    from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
     rank = dist.get_rank()
     model, opt = build(3, 64, WrapOptions(fsdp=2))

@@ -330,7 +330,7 @@ def test_export_never_waits_for_a_lagging_span_builder() -> None:
     release.set()
     exp.shutdown()
     spans = [w.readable_span_data(s) for s in mem.get_finished_spans()]
-    # the shared worker's policy (fsdp_mem_otel.worker): under pressure the newest steps are kept
+    # the shared worker's policy (fsdp_mem_otel.exporters.worker): under pressure the newest steps are kept
     assert sorted(x["attributes"]["fsdp.step"] for x in spans if x["name"] == "fsdp.step") == [1, 3]
 
 

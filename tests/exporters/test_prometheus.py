@@ -23,8 +23,8 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
-from fsdp_mem_otel import catalog as cat
 from fsdp_mem_otel.exporters.prometheus import PrometheusExporter, StepReportCollector
+from fsdp_mem_otel.fleet import catalog as cat
 from fsdp_mem_otel.identity import Identity
 from fsdp_mem_otel.schema import (
     CATEGORY_KEYS,
@@ -365,7 +365,7 @@ def test_detail_keeps_the_modules_with_the_largest_peaks() -> None:
 # -- exporter behaviour -------------------------------------------------------------------------
 def test_no_torch_import() -> None:
     code = (
-        "import sys; import fsdp_mem_otel.exporters.prometheus, fsdp_mem_otel.serve, fsdp_mem_otel.catalog; "
+        "import sys; import fsdp_mem_otel.exporters.prometheus, fsdp_mem_otel.fleet.serve, fsdp_mem_otel.fleet.catalog; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -572,7 +572,7 @@ def test_real_sidecar_merges_ranks_and_serves_a_closed_ranks_end(real_run: dict[
             ranks[r]["reports"][-1]["timestamp"] - 1
     assert value(one_silent, "fsdp_mem_sidecar_rank_stale", rank="0") == 0
     # rank 1 closed its tracker: its last file records a clean end, so it is not stale (a killed
-    # rank is: tests/test_rank_death.py), and its last values stay visible with the end
+    # rank is: tests/fleet/test_rank_death.py), and its last values stay visible with the end
     assert value(one_silent, "fsdp_mem_sidecar_rank_stale", rank="1") == 0
     assert value(one_silent, "fsdp_mem_rank_end_timestamp_seconds", rank="1", reason="clean") >= \
         ranks[1]["reports"][-1]["timestamp"]

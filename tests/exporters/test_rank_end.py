@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_mem_otel import catalog as cat
-from fsdp_mem_otel import worker
+from fsdp_mem_otel.exporters import worker
 from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
+from fsdp_mem_otel.fleet import catalog as cat
 from fsdp_mem_otel.identity import Identity
 from tests.exporters.test_prometheus import promtool_check, samples, small_report
 
@@ -30,7 +30,7 @@ RANK = textwrap.dedent("""
     import sys, time
     from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
     from fsdp_mem_otel.identity import Identity
-    from fsdp_mem_otel import worker
+    from fsdp_mem_otel.exporters import worker
     from tests.exporters.test_prometheus import small_report
 
     directory, how = sys.argv[1], sys.argv[2]

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_mem_otel import serve
 from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
+from fsdp_mem_otel.fleet import serve
 from fsdp_mem_otel.identity import Identity
 from tests.dist import free_ports
 from tests.exporters import prom_workers
@@ -150,7 +150,7 @@ def test_serve_command(tmp_path: Path) -> None:
     write_ranks(tmp_path)
     port = free_ports(1)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fsdp_mem_otel.serve", "--dir", str(tmp_path), "--port", str(port),
+        [sys.executable, "-m", "fsdp_mem_otel.fleet.serve", "--dir", str(tmp_path), "--port", str(port),
          "--addr", "127.0.0.1", "--stale-seconds", "0.5"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
@@ -219,7 +219,7 @@ def test_a_restarted_sidecar_serves_the_same_series_and_counters(tmp_path: Path)
 
 def _serve(directory: Path, port: int, *extra: str) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fsdp_mem_otel.serve", "--dir", str(directory), "--port", str(port),
+        [sys.executable, "-m", "fsdp_mem_otel.fleet.serve", "--dir", str(directory), "--port", str(port),
          "--addr", "127.0.0.1", *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 30
     while prom_workers.try_get(f"http://127.0.0.1:{port}/") != "ok":  # the banner: not a scrape

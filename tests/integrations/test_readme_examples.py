@@ -66,7 +66,7 @@ def _local_bytes(tensors: Any) -> int:
 
 
 def _result(path: str, model: Any, whole_model_bytes: int) -> ExampleRun:
-    from fsdp_mem_otel.jsonl_format import read_reports
+    from fsdp_mem_otel.offline.jsonl_format import read_reports
 
     reports = list(read_reports(path))
     return ExampleRun(
@@ -118,7 +118,7 @@ def lightning_example(directory: str, example: str) -> ExampleRun:
     import lightning.pytorch as pl
     import torch
 
-    from fsdp_mem_otel.demo import BlockModel
+    from fsdp_mem_otel.training.demo import BlockModel
 
     _job_env(directory, "lightning")
     os.chdir(directory)  # Lightning's default logger and checkpoints go to the working directory

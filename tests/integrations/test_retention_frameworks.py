@@ -1,6 +1,6 @@
 """Retention under the shipped HF Trainer and Lightning callbacks, on 2 real ranks (FSDP2 on CPU).
 
-The oracle of tests/test_retention.py (``StorageSpy``: weak references to the storages of every
+The oracle of tests/training/test_retention.py (``StorageSpy``: weak references to the storages of every
 module's inputs and outputs, per optimizer step) around ``trainer.train()`` / ``trainer.fit()``,
 the same training with and without the memory callback: at the end of each optimizer step (a
 callback of the test's own, after the memory callback's) the storages of the step before are
@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from fsdp_mem_otel.demo import BlockModel
+from fsdp_mem_otel.training.demo import BlockModel
 from tests.dist import run_ranks
-from tests.test_retention import StorageSpy
+from tests.training.test_retention import StorageSpy
 
 STEPS, ACCUMULATION, MICRO_BATCH = 3, 2, 2
 BLOCKS, WIDTH = 2, 32

@@ -1,0 +1,119 @@
+"""Light-mode activations: the tensors autograd saves for backward, seen through saved-tensor hooks.
+
+During each outermost FSDP module's forward, ``SavedTensorAccounting`` keeps autograd's default
+saved-tensor hooks pushed (``torch.autograd.graph.saved_tensors_hooks``, the mechanism
+``save_on_cpu`` and activation checkpointing use). Its pack hook accounts the storage of every
+tensor autograd saves as ``activation`` unless the ledger already knows it (parameters, inputs,
+gradients keep their own category) and hands autograd a detached alias; unpack gives it back.
+The storage's bytes leave the ledger when it is freed, i.e. when backward releases it. There is
+no per-op interception: the hooks run once per saved tensor.
+
+Composition:
+- Hooks pushed by the user before the forward (``save_on_cpu``, custom offloading) would be
+  shadowed by ours; instead ours chain to them: their pack runs, the saved tensor and what their
+  pack returns are accounted (a CPU copy counts on the CPU; the original drops out when freed),
+  and their unpack is kept.
+- An FSDP module recomputed inside a checkpointed region (its hooks fire during backward): ours
+  chain to checkpointing's recomputation hooks for that recompute, so what it recomputes counts.
+- Activation checkpointing pushes its own hooks inside the checkpointed region: those win there,
+  and what checkpointing keeps (its inputs) is saved under ours.
+- Compiled regions save through AOTAutograd's ``save_for_backward``, which calls the same hooks
+  at run time (dynamo defers them while it traces).
+
+The hooks live on the forward thread's stack and are popped when the outermost forward ends,
+also when it raises. ``torch.func`` transforms refuse to run while saved-tensor hooks are set:
+switch the accounting off (``TrackerConfig(activations=False)``) for models that call them inside
+an FSDP module's forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fsdp_mem_otel.schema import ACTIVATION
+from fsdp_mem_otel.training.ledger import INDEX, Ledger
+
+_STRIDED = torch.strided
+_ACTIVATION = INDEX[ACTIVATION]
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+
+
+def _unpack(packed: torch.Tensor) -> torch.Tensor:
+    return packed
+
+
+class SavedTensorAccounting:
+    """Pushes accounting saved-tensor hooks for one forward at a time; never raises."""
+
+    def __init__(self, ledger: Ledger, on_error: Callable[[BaseException], None]) -> None:
+        self._ledger = ledger
+        self._entries = ledger._entries
+        self._on_error = on_error
+        self._pushed: Callable[[torch.Tensor], Any] | None = None  # our pack hook while pushed
+
+    @property
+    def active(self) -> bool:
+        return self._pushed is not None
+
+    def push(self) -> None:
+        """Start accounting saved tensors on this thread (the outermost forward begins)."""
+        if self._pushed is not None:
+            return
+        try:
+            top = _top_hooks(True)
+            if top is None:
+                pack, unpack = self._pack, _unpack
+            else:
+                pack, unpack = self._chain(*top), top[1]
+            _push_hooks(pack, unpack)
+            self._pushed = pack
+        except Exception as exc:  # noqa: BLE001 - e.g. saved-tensor hooks disabled by the caller
+            self._on_error(exc)
+
+    def pop(self) -> None:
+        """Stop accounting (the outermost forward ended or raised); a no-op if not pushed or if
+        someone else's hooks are on top (those are theirs to pop)."""
+        pack, self._pushed = self._pushed, None
+        if pack is None:
+            return
+        try:
+            top = _top_hooks(True)
+            if top is not None and top[0] is pack:
+                _pop_hooks()
+        except Exception as exc:  # noqa: BLE001
+            self._on_error(exc)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            if type(t) is torch.Tensor and t.layout is _STRIDED:  # the common case, written out
+                st = t.untyped_storage()
+                if id(st) not in self._entries:
+                    self._ledger._new_entry(st, _ACTIVATION)
+            else:
+                self._ledger.track_new(t, ACTIVATION)
+        except Exception as exc:  # noqa: BLE001 - accounting must never break autograd
+            self._on_error(exc)
+        # A detached alias: holding ``t`` itself would tie a saved output to its own grad_fn,
+        # a cycle through C++ that keeps it alive when a graph is dropped without backward.
+        return t.detach()
+
+    def _chain(self, their_pack: Callable[[torch.Tensor], Any], _: Any) -> Callable[[torch.Tensor], Any]:
+        ledger, on_error = self._ledger, self._on_error
+
+        def pack(t: torch.Tensor) -> Any:
+            packed = their_pack(t)
+            try:  # what is saved (alive as long as someone holds it) and what they keep of it
+                ledger.track_new(t, ACTIVATION)
+                for obj in packed if isinstance(packed, tuple) else (packed,):
+                    if isinstance(obj, torch.Tensor):
+                        ledger.track_new(obj, ACTIVATION)
+            except Exception as exc:  # noqa: BLE001
+                on_error(exc)
+            return packed
+
+        return pack

@@ -1,0 +1,582 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) adapter.
+
+Versions: CI runs the FSDP tests on torch 2.13.0 and 2.14.1, the package's range. The FSDP2 sources
+of 2.13 and 2.14 differ (dtype handling of groups without trainable parameters, the forward unshard
+path), but every name read below exists in both. The private
+names it depends on are ``FSDPParamGroup.pre_backward/post_backward/unshard/wait_for_unshard/
+reshard``, ``FSDPParam.sharded_param/_unsharded_param/all_gather_outputs/
+_sharded_post_forward_param_data/unsharded_accumulated_grad``, ``_all_gather_result`` and
+``comm_ctx.reduce_scatter_states``; the optional ones (``_reduce_scatter_process_group``,
+``post_forward_mesh_info``, ``reduce_scatter_states``, ``_sharded_post_forward_param_data``) are
+read with a default, so a version without them loses that category's bytes, not the step; a
+missing wrapped method fails ``attach()``, which undoes itself and leaves training untracked.
+
+Hook points:
+- forward: four module hooks per FSDP module, two around FSDP's own pre-forward hook and two
+  around its post-forward hook (FSDP registers its pre-hook with ``prepend=True``; ours, registered
+  later with ``prepend=True``, runs before it). The last one is ``always_call`` so a forward that
+  raises still ends. Nothing of FSDP's is replaced.
+- backward and communication: per ``FSDPParamGroup`` instance, ``pre_backward``,
+  ``post_backward``, ``unshard``, ``wait_for_unshard`` and ``reshard`` are wrapped by instance
+  attributes (as upstream ``FSDPMemTracker`` does for the first two). Detach deletes those
+  attributes, so the class methods are what runs again. A group shared by several modules
+  (``fully_shard([a, b])``) is wrapped once and reports its states for each of them.
+
+What FSDP holds, by category (exact in light mode). Light mode counts each group's buffers as
+integers moved by these events (``fsdp2_groups.LightGroup``: constant work per group, whatever its
+number of parameters); deep steps, and a group whose events cannot tell its bytes (counted in
+``fallback_groups``), track the same buffers per tensor (``TensorGroup``). Both release the
+all-gather and reduce-scatter buffers when FSDP lets go of them, not when a communication thread
+that still holds one frees it.
+- sharded_param: each FSDPParam's local shard (``sharded_param``), at attach; parameters FSDP does
+  not manage (``ignored_params``) count here too, whole.
+- unsharded_param: ``all_gather_outputs`` after ``wait_for_unshard``, until ``reshard``. With
+  ``reshard_after_forward=<int>``, the smaller post-forward copies
+  (``_sharded_post_forward_param_data``) FSDP keeps between forward and backward.
+- all_gather: ``_all_gather_result.all_gather_output`` after ``unshard`` (the flat buffer; the
+  all-gather input is a view into it), until the copy-out, or in forward the next group's
+  copy-out (FSDP keeps it in ``comm_ctx.all_gather_state``) or the root's post-forward.
+- unsharded_grad: ``unsharded_param.grad`` when ``post_backward`` starts; after it, what FSDP keeps
+  unreduced (gradient accumulation without sync: the grad itself, or the reduce-dtype
+  ``unsharded_accumulated_grad`` under mixed precision).
+- sharded_grad: ``sharded_param.grad`` after ``post_backward`` (until ``zero_grad`` drops it, seen
+  at the step's end or its first forward); grads of unmanaged parameters when autograd
+  accumulates them.
+- reduce_scatter: the input FSDP appends to ``comm_ctx.reduce_scatter_states`` in
+  ``post_backward``, until it pops it or its final callback clears them. Where the shard group
+  has one rank (HSDP with shard size 1, one rank) no reduce-scatter runs and the buffer is a
+  plain copy: temp, as upstream FSDPMemTracker says.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple, TypeVar
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.utils.hooks import RemovableHandle
+
+from fsdp_mem_otel.schema import (
+    AFTER_POST_BACKWARD,
+    AFTER_POST_FORWARD,
+    AFTER_PRE_BACKWARD,
+    AFTER_PRE_FORWARD,
+    BEFORE_POST_BACKWARD,
+    BEFORE_POST_FORWARD,
+    BEFORE_PRE_BACKWARD,
+    BEFORE_PRE_FORWARD,
+    BUFFER,
+    PEAK_BACKWARD,
+    SHARDED_GRAD,
+    SHARDED_PARAM,
+)
+from fsdp_mem_otel.training.adapters.base import EventSink, fsdp_module_keys, iter_tensors
+from fsdp_mem_otel.training.adapters.fsdp2_groups import CommMirror, LightGroup, TensorGroup, WaitToken, reduce_category
+from fsdp_mem_otel.training.compile_support import dynamo_safe
+from fsdp_mem_otel.training.ledger import INDEX
+
+_T = TypeVar("_T")
+
+
+class _SavedAttr(NamedTuple):
+    """An instance attribute we replaced: whether it existed before, and its old value."""
+
+    owner: Any
+    name: str
+    existed: bool
+    value: Any
+    wrapper: Any
+
+
+def is_fsdp2(model: nn.Module) -> bool:
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+class FSDP2Adapter:
+    """Turns FSDP2's hook points into tracker events for every FSDP module of ``model``."""
+
+    fsdp_version = 2
+
+    def __init__(self, model: nn.Module, sink: EventSink) -> None:
+        self._model = model
+        self._sink = sink
+        self._modules = fsdp_module_keys(model, FSDPModule)
+        self._handles: list[RemovableHandle] = []
+        self._saved: list[_SavedAttr] = []
+        self._accounts: list[_Accounts] = []
+        self._mirrors: dict[int, CommMirror] = {}
+        self._check_grads = True
+        #: deep steps: every group accounted per tensor
+        self.per_tensor = False
+
+    def module_keys(self) -> list[str]:
+        return [key for key, _ in self._modules]
+
+    def persistent_tensors(self) -> Iterator[tuple[torch.Tensor, str]]:
+        managed: set[int] = set()
+        for _, group in self._groups():
+            for fp in group.fsdp_params:  # their grads: the group accounts them (start())
+                managed.add(id(fp.sharded_param))
+                yield fp.sharded_param, SHARDED_PARAM
+        for p in self._unmanaged_params(managed):
+            yield p, SHARDED_PARAM
+            if p.grad is not None:
+                yield p.grad, SHARDED_GRAD
+        for buf in self._model.buffers():
+            yield buf, BUFFER
+
+    def shards_nothing(self) -> bool:
+        sizes = [group.mesh_info.shard_mesh_size for _, group in self._groups()]
+        return bool(sizes) and all(n == 1 for n in sizes)
+
+    def _unmanaged_params(self, managed: set[int]) -> list[nn.Parameter]:
+        return [p for p in self._model.parameters() if id(p) not in managed]
+
+    def _groups(self) -> Iterator[tuple[list[str], Any]]:
+        """(keys of the modules sharing it, group) for each FSDPParamGroup, once."""
+        keys_of: dict[int, list[str]] = {}
+        groups: dict[int, Any] = {}
+        for key, mod in self._modules:
+            state = mod._get_fsdp_state()  # type: ignore[operator]
+            for group in state._fsdp_param_groups:
+                keys_of.setdefault(id(group), []).append(key)
+                groups[id(group)] = group
+        for gid, group in groups.items():
+            yield keys_of[gid], group
+
+    # -- attach / detach -----------------------------------------------------------------------
+    def attach(self) -> None:
+        """Install hooks and patches; on failure, undo what was installed and re-raise."""
+        try:
+            self._attach()
+        except BaseException:
+            self.detach()
+            raise
+
+    def _attach(self) -> None:
+        sink = self._sink
+        groups = list(self._groups())
+        # modules sharing one group (fully_shard([a, b])): per-module backward windows
+        shared: dict[str, _SharedGroupWindows] = {}
+        for keys, _ in groups:
+            if len(keys) > 1:
+                shared.update(dict.fromkeys(keys, _SharedGroupWindows(sink)))
+        handles = self._handles  # one at a time: a failing registration leaves the others removable
+        for key, mod in self._modules:
+            member = shared.get(key)
+            if member is None:
+                handles.append(mod.register_forward_pre_hook(_begin_hook(sink, key, self._forward_begins),
+                                                             prepend=True))
+            else:  # also sees the inputs, before FSDP's pre-forward wraps them
+                handles.append(mod.register_forward_pre_hook(_member_pre_hook(sink, key, member, self._forward_begins),
+                                                             prepend=True, with_kwargs=True))
+            handles.append(mod.register_forward_pre_hook(_inputs_hook(sink, key), with_kwargs=True))
+            handles.append(mod.register_forward_hook(_io_hook(sink, key, BEFORE_POST_FORWARD, windows=member),
+                                                     prepend=True))
+            handles.append(mod.register_forward_hook(_io_hook(sink, key, AFTER_POST_FORWARD, first=self._forward_ends),
+                                                     always_call=True))
+        managed: set[int] = set()
+        for keys, group in groups:
+            managed.update(id(fp.sharded_param) for fp in group.fsdp_params)
+            self._patch_group(keys, group, shared.get(keys[0]))
+        for p in self._unmanaged_params(managed):
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(_grad_hook(sink)))
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for s in reversed(self._saved):
+            if s.owner.__dict__.get(s.name) is not s.wrapper:
+                continue  # someone replaced our wrapper since: leave theirs alone
+            if s.existed:
+                setattr(s.owner, s.name, s.value)
+            else:
+                delattr(s.owner, s.name)
+        self._saved.clear()
+        self._accounts.clear()
+        self._mirrors.clear()
+
+    def _patch(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
+        existed = name in owner.__dict__
+        self._saved.append(_SavedAttr(owner, name, existed, owner.__dict__.get(name), wrapper))
+        setattr(owner, name, wrapper)
+
+    def _patch_group(self, keys: list[str], group: Any, shared: _SharedGroupWindows | None) -> None:
+        sink = self._sink
+        acct = _Accounts(group, sink, self._mirror_of, self.per_tensor)
+        self._accounts.append(acct)
+
+        def on_state(state: str) -> Callable[[], None]:
+            # the group's states are every member's; with several members the backward peak
+            # windows are per module (``shared``), not the group's
+            windowed = shared is None
+
+            def emit() -> None:
+                for key in keys:
+                    sink.on_state(key, state, None, windowed)
+                if shared is not None and state == AFTER_POST_BACKWARD:
+                    shared.backward_ends()
+
+            return emit
+
+        emit_before_post_backward, emit_after_post_backward = (
+            on_state(BEFORE_POST_BACKWARD), on_state(AFTER_POST_BACKWARD))
+        orig_post_backward, orig_wait = group.post_backward, group.wait_for_unshard
+        orig_pre_backward = group.pre_backward
+
+        def post_backward(*args: Any, **kwargs: Any) -> Any:
+            count = _guarded_value(sink, acct.before_post_backward)
+            _guarded(sink, emit_before_post_backward)
+            out = orig_post_backward(*args, **kwargs)
+            _guarded(sink, lambda: acct.after_post_backward(count))
+            _guarded(sink, emit_after_post_backward)
+            return out
+
+        def wait_for_unshard(*args: Any, **kwargs: Any) -> Any:
+            before = _guarded_value(sink, acct.before_wait)
+            out = orig_wait(*args, **kwargs)
+            _guarded(sink, lambda: acct.after_wait(before))
+            return out
+
+        pre_backward = _around(sink, orig_pre_backward, on_state(BEFORE_PRE_BACKWARD), on_state(AFTER_PRE_BACKWARD))
+        self._patch(group, "pre_backward", dynamo_safe(_unless_in_pre_backward(group, pre_backward, orig_pre_backward)))
+        self._patch(group, "post_backward", dynamo_safe(post_backward))
+        self._patch(group, "unshard", dynamo_safe(_around(sink, group.unshard, None, acct.after_unshard)))
+        self._patch(group, "wait_for_unshard", dynamo_safe(wait_for_unshard))
+        self._patch(group, "reshard", dynamo_safe(_around(sink, group.reshard, None, acct.after_reshard)))
+
+    # -- light mode's integer accounts --------------------------------------------------------
+    def _mirror_of(self, comm: Any) -> CommMirror:
+        # FSDP's lazy init gives every group the root's communication context: look it up at
+        # each event, not once
+        mirror = self._mirrors.get(id(comm))
+        if mirror is None or mirror.comm is not comm:
+            mirror = self._mirrors[id(comm)] = CommMirror(comm, self._sink)
+        return mirror
+
+    def start(self) -> None:
+        """The tracker counts from now: light groups count what FSDP holds already."""
+        for acct in self._accounts:
+            acct.sync()
+
+    def use_tensors(self, on: bool) -> None:
+        """Deep steps (``on``) account every group per tensor, as deep mode's per-op accounting
+        sees the same storages; afterwards light groups take over again from the tensors."""
+        if on == self.per_tensor:
+            return
+        self.per_tensor = on
+        if on:
+            for mirror in self._mirrors.values():
+                mirror.drop_counts()
+        for acct in self._accounts:
+            acct.use_tensors(on)
+
+    def reconcile(self) -> None:
+        """Let go of what FSDP and ``zero_grad`` let go of without an event (the step ends)."""
+        for mirror in self._mirrors.values():
+            mirror.reconcile()
+        for acct in self._accounts:
+            acct.reconcile()
+        self._check_grads = True
+
+    def _forward_begins(self) -> None:
+        for mirror in self._mirrors.values():
+            mirror.reconcile()
+        if self._check_grads:  # once per step, at its first forward: zero_grad ran before it
+            self._check_grads = False
+            for acct in self._accounts:
+                acct.reconcile()
+
+    def _forward_ends(self) -> None:
+        for mirror in self._mirrors.values():  # the root's post-forward frees the deferred output
+            mirror.reconcile()
+
+    @property
+    def fallback_groups(self) -> int:
+        """Groups that light mode accounts per tensor, because their events cannot say it."""
+        return sum(acct.fell_back for acct in self._accounts)
+
+
+class _Accounts:
+    """One group's accounting: ``LightGroup`` in light mode, ``TensorGroup`` in deep steps and
+    for good once the light one finds the group unfit (the fallback)."""
+
+    __slots__ = ("_comm", "_mirror_cached", "_mirror_of", "_rs_cat", "_sink", "current", "fell_back", "light",
+                 "tensors")
+
+    def __init__(self, group: Any, sink: EventSink, mirror_of: Callable[[Any], CommMirror], per_tensor: bool) -> None:
+        category = reduce_category(group)
+        self._sink = sink
+        self._mirror_of = mirror_of
+        self._comm: Any = None
+        self._mirror_cached: CommMirror | None = None
+        self._rs_cat = INDEX[category]
+        self.light = LightGroup(group, sink)
+        self.tensors = TensorGroup(group, sink, category, getattr(group, "post_forward_mesh_info", None) is not None)
+        self.fell_back = self.light.unfit is not None
+        self.current: LightGroup | TensorGroup = self.tensors if per_tensor or self.fell_back else self.light
+
+    def sync(self) -> None:
+        self.current.sync()
+
+    def use_tensors(self, on: bool) -> None:
+        if self.fell_back:
+            return
+        if on:
+            self.light.drop_counts()
+            self.current = self.tensors
+            self.tensors.sync()
+        else:
+            for t in self.light.tensors():
+                self._sink.forget(t)
+            self.current = self.light
+            self.light.sync()
+
+    def _fall_back(self) -> None:
+        self.fell_back = True
+        self.light.drop_counts()
+        self.current = self.tensors
+        self.tensors.sync()
+
+    # -- events --------------------------------------------------------------------------------
+    def after_unshard(self) -> None:
+        self.current.after_unshard()
+
+    @property
+    def _mirror(self) -> CommMirror:
+        comm = self.light.group.comm_ctx
+        if comm is not self._comm or self._mirror_cached is None:
+            self._comm, self._mirror_cached = comm, self._mirror_of(comm)
+        return self._mirror_cached
+
+    def before_wait(self) -> WaitToken:
+        return self._mirror.before_wait(self.light.group, self.current is self.tensors)
+
+    def after_wait(self, before: WaitToken | None) -> None:
+        current = self.current
+        deferred = False
+        if before is not None:
+            deferred = self._mirror.after_wait(before, self.light.dev, current.pending_all_gather())
+        current.after_wait(deferred, before)
+
+    def after_reshard(self) -> None:
+        self.current.after_reshard()
+
+    def before_post_backward(self) -> int:
+        self.current.before_post_backward()
+        return self._mirror.rs_count()
+
+    def after_post_backward(self, count: int | None) -> None:
+        current = self.current
+        appended = None
+        if count is not None:
+            appended = self._mirror.after_post_backward(count, self._rs_cat, current is self.light)
+        current.after_post_backward(appended)
+        if current is self.light and self.light.unfit is not None:
+            self._fall_back()
+
+    def reconcile(self) -> None:
+        self.current.reconcile()
+
+
+def _around(
+    sink: EventSink,
+    orig: Callable[..., Any],
+    before: Callable[[], None] | None,
+    after: Callable[[], None] | None,
+) -> Callable[..., Any]:
+    """``orig`` with tracker work before and after it; tracker failures never reach FSDP."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if before is not None:
+            try:
+                before()
+            except Exception as exc:  # noqa: BLE001 - the tracker must never break training
+                sink.report_error(exc)
+        out = orig(*args, **kwargs)
+        if after is not None:
+            try:
+                after()
+            except Exception as exc:  # noqa: BLE001
+                sink.report_error(exc)
+        return out
+
+    return wrapper
+
+
+def _unless_in_pre_backward(
+    group: Any, tracked: Callable[..., Any], orig: Callable[..., Any]
+) -> Callable[..., Any]:
+    def pre_backward(*args: Any, **kwargs: Any) -> Any:
+        if group._training_state == TrainingState.PRE_BACKWARD:
+            return orig(*args, **kwargs)
+        return tracked(*args, **kwargs)
+
+    return pre_backward
+
+
+def _guarded(sink: EventSink, fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the tracker must never break training
+        sink.report_error(exc)
+
+
+def _guarded_value(sink: EventSink, fn: Callable[[], _T]) -> _T | None:
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - the tracker must never break training
+        sink.report_error(exc)
+        return None
+
+
+def _begin_hook(sink: EventSink, key: str, first: Callable[[], None]) -> Callable[..., None]:
+    """before_pre_forward, after ``first`` (the adapter's catching up with FSDP)."""
+
+    def hook(*_: Any) -> None:
+        _guarded(sink, first)
+        sink.on_state(key, BEFORE_PRE_FORWARD)
+
+    return dynamo_safe(hook)
+
+
+def _inputs_hook(sink: EventSink, key: str) -> Callable[..., None]:
+    """after_pre_forward, with the module's positional and keyword inputs."""
+
+    def hook(_module: Any, args: Any, kwargs: Any) -> None:
+        sink.on_state(key, AFTER_PRE_FORWARD, (args, kwargs))
+
+    return dynamo_safe(hook)
+
+
+def _member_pre_hook(sink: EventSink, key: str, windows: _SharedGroupWindows,
+                     first: Callable[[], None]) -> Callable[..., None]:
+    """before_pre_forward of a module sharing its FSDP group: also marks where its backward ends."""
+
+    def hook(_module: Any, args: Any, kwargs: Any) -> None:
+        _guarded(sink, first)
+        sink.on_state(key, BEFORE_PRE_FORWARD)
+        _guarded(sink, lambda: windows.inputs(key, (args, kwargs)))
+
+    return dynamo_safe(hook)
+
+
+class _SharedGroupWindows:
+    """Backward peak windows per module for modules sharing one FSDP group (``fully_shard([a, b])``).
+
+    FSDP runs one pre-/post-backward for the whole group, so its states cannot tell the members
+    apart. As upstream's ModTracker does, a member's backward starts when autograd computes the
+    first gradient of its outputs and ends when it has computed the gradients of its inputs
+    (hooks on the tensors as the member received and returned them, outside FSDP's own). Members'
+    backward windows may overlap without nesting; any still open end with the group's
+    post-backward. No hook holds a tensor: see ``_when_all_grads``.
+    """
+
+    def __init__(self, sink: EventSink) -> None:
+        self._sink = sink
+        self._open: dict[int, str] = {}  # forward call -> member whose backward window is open
+        self._calls = 0
+
+    def inputs(self, key: str, inputs: object) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a checkpoint recompute
+        self._calls += 1
+        call = self._calls
+        needing_grad = [t for t in iter_tensors(inputs) if t.requires_grad]
+        if needing_grad:
+            _when_all_grads(needing_grad, self._guarded(lambda: self._end(call)))
+
+    def outputs(self, key: str, outputs: object) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return
+        call = self._calls
+        needing_grad = [t for t in iter_tensors(outputs) if t.requires_grad]
+        if needing_grad:
+            # mode="any" keeps no tensor: its hook holds only ours
+            hook = self._guarded(lambda: self._begin(call, key))
+            torch.autograd.graph.register_multi_grad_hook(needing_grad, lambda _grad: hook(), mode="any")
+
+    def _guarded(self, fn: Callable[[], None]) -> Callable[[], None]:
+        sink = self._sink
+        return dynamo_safe(lambda: _guarded(sink, fn))
+
+    def _begin(self, call: int, key: str) -> None:
+        self._open[call] = key
+        self._sink.open_window(key, PEAK_BACKWARD)
+
+    def _end(self, call: int) -> None:
+        key = self._open.pop(call, None)
+        if key is not None:
+            self._sink.end_window(key, PEAK_BACKWARD)
+
+    def backward_ends(self) -> None:
+        for call in sorted(self._open, reverse=True):
+            self._end(call)
+        self._calls = 0
+
+
+def _when_all_grads(tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
+    """Call ``fn`` once per backward, when autograd has computed the gradients of all of
+    ``tensors`` that this backward computes: ``register_multi_grad_hook(mode="all")``, without
+    its strong references. torch's keeps each tensor's gradient node in the hook it stores on the
+    tensor; for a leaf that node is the gradient accumulator, which holds the leaf: a cycle
+    through C++ that ``gc`` cannot break, so every leaf input (a chunked loss's detached chunks)
+    would live for the rest of the run. Here the hook holds the tensors weakly and finds their
+    nodes when the backward reaches the first of them."""
+    refs = [weakref.ref(t) for t in tensors]
+    pending: dict[int, int] = {}  # graph task -> gradients still to come
+
+    def hook(_grad: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        left = pending.get(task)
+        if left is None:
+            left = sum(
+                1 for ref in refs
+                if (t := ref()) is not None and torch._C._will_engine_execute_node(_grad_node(t))
+            )
+        left -= 1
+        if left > 0:
+            pending[task] = left
+            return
+        pending.pop(task, None)
+        fn()
+
+    safe_hook = dynamo_safe(hook)
+    for t in tensors:
+        t.register_hook(safe_hook)
+
+
+def _grad_node(t: torch.Tensor) -> Any:
+    """The autograd node that receives ``t``'s gradient: its grad_fn, or a leaf's accumulator."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    with torch.enable_grad():
+        return t.view_as(t).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+
+
+def _io_hook(sink: EventSink, key: str, state: str, windows: _SharedGroupWindows | None = None,
+             first: Callable[[], None] | None = None) -> Callable[..., None]:
+    """A forward hook passing the module's outputs with the state, after ``first``; for a module
+    sharing its group, also marks where its backward will start."""
+
+    def hook(_module: Any, _args: Any, outputs: Any) -> None:
+        if first is not None:
+            _guarded(sink, first)
+        sink.on_state(key, state, outputs)
+        if windows is not None:
+            _guarded(sink, lambda: windows.outputs(key, outputs))
+
+    return dynamo_safe(hook)
+
+
+def _grad_hook(sink: EventSink) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        sink.track(param.grad, SHARDED_GRAD)
+
+    return dynamo_safe(hook)

@@ -1,0 +1,204 @@
+"""The step state machine: FSDP module states in, module snapshots and peak windows out.
+
+Plain Python on top of a Ledger, with no FSDP and no hooks, so unit tests drive it directly. The
+tracker feeds it ``on_state(key, state, in_backward)`` from the adapters' hook events; it keeps,
+per step, one snapshot per module per state per call, opens a peak window at a module's
+``before_pre_forward`` / ``before_pre_backward`` and closes it at the matching ``after_post_*``
+(closing inner windows first when FSDP closes out of order), recognises activation-checkpoint
+recompute (forward states during backward) and knows which module was running when a step
+aborts. ``StepContext`` is what per-op accounting (deep mode) reads: the FSDP phase, whether the
+optimizer or a checkpoint recompute is running.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fsdp_mem_otel.schema import (
+    AFTER_POST_BACKWARD,
+    AFTER_POST_FORWARD,
+    AFTER_PRE_BACKWARD,
+    AFTER_PRE_FORWARD,
+    BEFORE_POST_BACKWARD,
+    BEFORE_POST_FORWARD,
+    BEFORE_PRE_BACKWARD,
+    BEFORE_PRE_FORWARD,
+    FORWARD_STATES,
+    PEAK_BACKWARD,
+    PEAK_FORWARD,
+    POST_FORWARD_AC,
+    PRE_FORWARD_AC,
+    CountedModuleReport,
+    ModuleReport,
+)
+from fsdp_mem_otel.training.ledger import Ledger, RawBreakdown
+
+# FSDP phases, as deep mode labels collectives by them (the same phases upstream uses).
+IDLE = "idle"
+PRE_FORWARD = "pre_forward"
+FORWARD = "forward"
+POST_FORWARD = "post_forward"
+PRE_BACKWARD = "pre_backward"
+BACKWARD = "backward"
+POST_BACKWARD = "post_backward"
+
+# FSDP phase after each state.
+_PHASE_AFTER: dict[str, str] = {
+    BEFORE_PRE_FORWARD: PRE_FORWARD,
+    AFTER_PRE_FORWARD: FORWARD,
+    BEFORE_POST_FORWARD: POST_FORWARD,
+    AFTER_POST_FORWARD: FORWARD,
+    BEFORE_PRE_BACKWARD: PRE_BACKWARD,
+    AFTER_PRE_BACKWARD: BACKWARD,
+    BEFORE_POST_BACKWARD: POST_BACKWARD,
+    AFTER_POST_BACKWARD: POST_BACKWARD,  # upstream keeps POST_BW until the next pre-backward
+}
+_OPENS: dict[str, str] = {BEFORE_PRE_FORWARD: PEAK_FORWARD, BEFORE_PRE_BACKWARD: PEAK_BACKWARD}
+_CLOSES: dict[str, str] = {AFTER_POST_FORWARD: PEAK_FORWARD, AFTER_POST_BACKWARD: PEAK_BACKWARD}
+
+
+class StepContext:
+    """What is running now, for per-op accounting: the FSDP phase, the optimizer, AC recompute."""
+
+    __slots__ = ("in_ac_recompute", "in_optimizer", "phase")
+
+    def __init__(self) -> None:
+        self.phase = IDLE
+        self.in_optimizer = False
+        self.in_ac_recompute = False
+
+
+class _Calls:
+    """One module's raw snapshots of a step: state -> counters and times, one per call."""
+
+    __slots__ = ("snapshots", "times")
+
+    def __init__(self) -> None:
+        self.snapshots: dict[str, list[RawBreakdown]] = {}
+        self.times: dict[str, list[int]] = {}
+
+    def report(self) -> ModuleReport:
+        """As a report (sharing these lists: the recorder starts new ones at each step)."""
+        return CountedModuleReport(self.snapshots, self.times)
+
+
+class StepRecorder:
+    """Snapshots and peak windows of one step at a time, from module state events. Snapshots are
+    kept as raw counters (``Ledger.raw``); ``modules`` builds the reports' dicts."""
+
+    def __init__(self, ledger: Ledger, context: StepContext | None = None) -> None:
+        self.ledger = ledger
+        self.context = context if context is not None else StepContext()
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new step: no snapshots, no open windows, phase idle."""
+        self._calls: dict[str, _Calls] = {}
+        self.windows: list[tuple[str, str]] = []  # (module key, peak state) per open window
+        self.context.phase = IDLE
+        self.context.in_ac_recompute = False
+        self._ac_key: str | None = None
+        self._last_key: str | None = None
+        self._last_state_of: dict[str, str] = {}
+
+    # -- events --------------------------------------------------------------------------------
+    def on_state(self, key: str, state: str, in_backward: bool = False, windowed: bool = True) -> None:
+        """Module ``key`` reached ``state``; ``in_backward``: autograd's backward is running
+        (forward states then mean an activation-checkpoint recompute). ``windowed=False``: the
+        state opens or closes no peak window (the adapter calls ``open_window``/``close_window``
+        itself, e.g. for modules sharing one FSDP group)."""
+        if in_backward and state in FORWARD_STATES:
+            self._on_recompute(key, state)
+            return
+        self.context.phase = _PHASE_AFTER[state]
+        closes = _CLOSES.get(state) if windowed else None
+        if closes is not None:
+            self._close_window(key, closes)
+        self._append(key, state, self.ledger.raw())
+        opens = _OPENS.get(state) if windowed else None
+        if opens is not None:
+            self.open_window(key, opens)
+
+    def open_window(self, key: str, peak_state: str) -> None:
+        """Start module ``key``'s ``peak_state`` window (nested in the open ones)."""
+        self.ledger.open_window()
+        self.windows.append((key, peak_state))
+
+    def close_window(self, key: str, peak_state: str) -> None:
+        """End module ``key``'s ``peak_state`` window (inner ones first); a no-op if not open."""
+        self._close_window(key, peak_state)
+
+    def end_window(self, key: str, peak_state: str) -> None:
+        """End module ``key``'s latest ``peak_state`` window alone, wherever it is among the open
+        ones (windows that overlap without nesting); a no-op if not open."""
+        for i in range(len(self.windows) - 1, -1, -1):
+            if self.windows[i] == (key, peak_state):
+                del self.windows[i]
+                self._append(key, peak_state, self.ledger.close_window_at(i))
+                return
+
+    def _on_recompute(self, key: str, state: str) -> None:
+        ctx = self.context
+        if state == BEFORE_PRE_FORWARD:
+            ctx.phase = PRE_FORWARD
+        elif state == AFTER_PRE_FORWARD:
+            ctx.phase = FORWARD
+            self._append(key, PRE_FORWARD_AC, self.ledger.raw())
+            if self._ac_key is None:
+                self._ac_key, ctx.in_ac_recompute = key, True
+        elif state == BEFORE_POST_FORWARD:
+            ctx.phase = POST_FORWARD
+            self._append(key, POST_FORWARD_AC, self.ledger.raw())
+            if self._ac_key == key:
+                self._ac_key, ctx.in_ac_recompute = None, False
+
+    def _close_window(self, key: str, peak_state: str) -> None:
+        # Windows nest; if FSDP closes one out of order, close the inner ones first.
+        if (key, peak_state) not in self.windows:
+            return
+        while self.windows:
+            k, s = self.windows.pop()
+            self._append(k, s, self.ledger.close_window_raw())
+            if k == key and s == peak_state:
+                return
+
+    def close_open_windows(self) -> None:
+        """Close every window still open (step end), innermost first."""
+        while self.windows:
+            key, peak_state = self.windows.pop()
+            self._append(key, peak_state, self.ledger.close_window_raw())
+
+    def _append(self, key: str, state: str, snap: RawBreakdown) -> None:
+        self._last_key = key
+        self._last_state_of[key] = state
+        mod = self._calls.get(key)
+        if mod is None:
+            mod = self._calls[key] = _Calls()
+        calls = mod.snapshots.get(state)
+        if calls is None:
+            calls = mod.snapshots[state] = []
+            mod.times[state] = []
+        calls.append(snap)
+        mod.times[state].append(time.time_ns())
+
+    @property
+    def modules(self) -> dict[str, ModuleReport]:
+        """The step's snapshots so far, per module, as reports hold them (built on each call)."""
+        return {key: calls.report() for key, calls in self._calls.items()}
+
+    # -- where are we --------------------------------------------------------------------------
+    @property
+    def in_pass(self) -> bool:
+        """A forward or backward pass is open (some module's window has not closed)."""
+        return bool(self.windows)
+
+    def location(self) -> tuple[str, str]:
+        """(module, state) running now: the innermost open window's module, else the module
+        of the last snapshot, and the last state that module reached; ("", "") before any."""
+        if self.windows:
+            key = self.windows[-1][0]
+        elif self._last_key is not None:
+            key = self._last_key
+        else:
+            return "", ""
+        return key, self._last_state_of.get(key, "")

@@ -1,0 +1,253 @@
+"""The hot path: what the adapters call from FSDP's hooks, turned into ledger updates and snapshots.
+
+``Sink`` is the ``EventSink`` the adapters see. Every call is contained (a failure goes to
+``on_error`` and never reaches FSDP) and does O(1) work: a state event takes one snapshot of the
+ledger's counters and opens or closes a peak window (``StepRecorder``); light mode's saved
+tensors are accounted by autograd's saved-tensor hooks (``SavedTensorAccounting``), pushed while
+the outermost FSDP forward runs and, for an FSDP module recomputed inside a checkpointed region,
+while it is recomputed; FSDP buffers enter the ledger as tensors (``track*``) or, where FSDP's own
+events tell their size and lifetime, as integers (``add``). It knows nothing of FSDP and holds no
+tensor: unit tests drive it directly (tests/training/test_sink.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fsdp_mem_otel.schema import (
+    ACTIVATION,
+    AFTER_POST_BACKWARD,
+    AFTER_POST_FORWARD,
+    BEFORE_POST_FORWARD,
+    BEFORE_PRE_FORWARD,
+    FORWARD_STATES,
+)
+from fsdp_mem_otel.training.activations import SavedTensorAccounting
+from fsdp_mem_otel.training.adapters.base import tensors_in
+from fsdp_mem_otel.training.ledger import Ledger, storages_of
+from fsdp_mem_otel.training.recorder import StepRecorder
+
+_in_backward = torch._C._current_graph_task_id
+_POST_FORWARD = frozenset({BEFORE_POST_FORWARD, AFTER_POST_FORWARD})
+#: states after which the allocator is sampled (window ends): its peaks are sampled maxima
+_SAMPLED = frozenset({AFTER_POST_FORWARD, AFTER_POST_BACKWARD})
+
+
+def _nothing(*_: Any) -> None:
+    return None
+
+
+class Sink:
+    """Adapter events in, ledger updates and snapshots out; never raises.
+
+    Args:
+        ledger, recorder: where bytes and snapshots go.
+        on_error: called with each internal failure (the tracker counts and logs it).
+        sample: called at window ends to sample the device allocator (the tracker's probe).
+        activations: account saved tensors in light mode (``TrackerConfig.activations``).
+    """
+
+    def __init__(self, ledger: Ledger, recorder: StepRecorder, on_error: Callable[[BaseException], None],
+                 sample: Callable[[], None] = _nothing, activations: bool = True) -> None:
+        self.ledger = ledger
+        self.recorder = recorder
+        self.report_error = on_error
+        self._sample = sample
+        self._activations_on = activations
+        #: events are accounted only while active (the tracker attached)
+        self.active = False
+        #: a deep step's dispatch mode runs: it accounts every op, saved tensors included
+        self.deep = False
+        #: called when the step's outermost FSDP forward begins, while ``forward_pending`` (the
+        #: tracker starts a deep step's dispatch mode there)
+        self.on_forward: Callable[[], None] = _nothing
+        self.forward_pending = False
+        #: called with the exception when a forward raised (post-forward hooks without outputs)
+        self.on_raising_forward: Callable[[BaseException], None] = _nothing
+        self.activations = SavedTensorAccounting(ledger, on_error)
+        self._recompute_activations = SavedTensorAccounting(ledger, on_error)
+        self._forward_depth = 0  # nesting of FSDP forwards now running (outside backward)
+        self._recompute_depth = 0  # nesting of FSDP forwards recomputed in backward
+        #: seconds spent in on_state this step
+        self.overhead = 0.0
+
+    def end_step(self) -> None:
+        """Between steps: pop saved-tensor hooks a forward that raised left pushed, reset depths."""
+        self.activations.pop()
+        self._recompute_activations.pop()
+        self._forward_depth = self._recompute_depth = 0
+        self.overhead = 0.0
+
+    # -- states and windows ---------------------------------------------------------------------
+    def on_state(self, key: str, state: str, tensors: object = None, windowed: bool = True) -> None:
+        """Module ``key`` reached ``state``: take a snapshot, open or close its peak window.
+
+        ``tensors`` (the module's inputs at after_pre_forward, its outputs at after_post_forward)
+        are accounted as activations first, in light mode: autograd does not save a module's
+        outputs, yet they are alive (the next module's input, the logits, the loss).
+        """
+        if not self.active:
+            return
+        t0 = time.perf_counter()
+        try:
+            in_backward = _in_backward() != -1
+            if in_backward and state in FORWARD_STATES:  # an activation-checkpoint recompute
+                self._recompute_state(state, tensors)
+            elif not in_backward:
+                if state == BEFORE_PRE_FORWARD:
+                    self._forward_begins()
+                elif tensors is not None:
+                    if not self.deep and self._activations_on:
+                        track_new = self.ledger.track_new
+                        for t in tensors_in(tensors):
+                            track_new(t, ACTIVATION)
+                elif state in _POST_FORWARD:
+                    self._note_raising_forward()
+            self.recorder.on_state(key, state, in_backward, windowed)
+            if state in _SAMPLED:
+                self._sample()
+            if state == AFTER_POST_FORWARD and not in_backward:
+                self._forward_ends()
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+        self.overhead += time.perf_counter() - t0
+
+    def open_window(self, key: str, peak_state: str) -> None:
+        """Start module ``key``'s peak window (for states reported ``windowed=False``)."""
+        if self.active:
+            try:
+                self.recorder.open_window(key, peak_state)
+            except Exception as exc:  # noqa: BLE001
+                self.report_error(exc)
+
+    def close_window(self, key: str, peak_state: str) -> None:
+        """End module ``key``'s peak window."""
+        if self.active:
+            try:
+                self.recorder.close_window(key, peak_state)
+            except Exception as exc:  # noqa: BLE001
+                self.report_error(exc)
+
+    def end_window(self, key: str, peak_state: str) -> None:
+        """End module ``key``'s peak window alone, where windows overlap."""
+        if self.active:
+            try:
+                self.recorder.end_window(key, peak_state)
+            except Exception as exc:  # noqa: BLE001
+                self.report_error(exc)
+
+    def _note_raising_forward(self) -> None:
+        # Post-forward hooks with no outputs while an exception propagates: the forward raised
+        # (they are always_call hooks). Locate it now, before the windows close.
+        exc = sys.exc_info()[1]
+        if exc is not None:
+            self.on_raising_forward(exc)
+
+    def _recompute_state(self, state: str, tensors: object) -> None:
+        # An FSDP module recomputed inside a checkpointed region: checkpointing's own saved-tensor
+        # hooks keep what it recomputes; ours chain to them to account it (light mode), and the
+        # module's recomputed outputs count as they do in forward.
+        if self.deep or not self._activations_on:
+            return
+        if state == BEFORE_PRE_FORWARD:
+            self._recompute_depth += 1
+            if self._recompute_depth == 1:
+                self._recompute_activations.push()
+        elif state == AFTER_POST_FORWARD and self._recompute_depth > 0:  # always called, also when
+            self._recompute_depth -= 1  # checkpointing stops the recompute early by raising
+            if tensors is not None:
+                for t in tensors_in(tensors):
+                    self.ledger.track_new(t, ACTIVATION)
+            if self._recompute_depth == 0:
+                self._recompute_activations.pop()
+
+    def _forward_begins(self) -> None:
+        self._forward_depth += 1
+        if self._forward_depth == 1:
+            if self.forward_pending:
+                self.forward_pending = False
+                self.on_forward()
+            if not self.deep and self._activations_on:
+                self.activations.push()
+
+    def _forward_ends(self) -> None:
+        if self._forward_depth > 0:
+            self._forward_depth -= 1
+        if self._forward_depth == 0:
+            self.activations.pop()
+
+    # -- bytes -----------------------------------------------------------------------------------
+    def add(self, device: str, cat: int, delta: int) -> None:
+        """Add ``delta`` bytes to category index ``cat`` (``ledger.INDEX``) on ``device``: FSDP
+        buffers whose size and lifetime the adapter knows from FSDP's own events."""
+        if self.active and delta:
+            try:
+                self.ledger._add(device, cat, delta)
+            except Exception as exc:  # noqa: BLE001
+                self.report_error(exc)
+
+    def hold(self, st: torch.UntypedStorage, category: str) -> None:
+        """Make ``st`` known to the ledger at 0 bytes (an integer account carries its bytes)."""
+        try:
+            self.ledger.hold(st, category)
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+
+    def forget(self, obj: torch.Tensor | torch.UntypedStorage) -> None:
+        """A storage, or a tensor's storages, keep their entries at 0 bytes: FSDP let go of it
+        (whoever else still holds it), or an integer account takes its bytes over."""
+        try:
+            for st in [obj] if isinstance(obj, torch.UntypedStorage) else storages_of(obj, self.ledger.fake_mode):
+                self.ledger.forget(st)
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+
+    def track(self, tensor: torch.Tensor | None, category: str) -> None:
+        """Account ``tensor``'s storages under ``category`` (re-categorizing known ones)."""
+        if tensor is None or not self.active:
+            return
+        try:
+            self.ledger.track(tensor, category)
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+
+    def track_all(self, tensors: list[torch.Tensor | None], category: str) -> None:
+        """``track`` for each of ``tensors`` (None entries skipped), in one call."""
+        if not self.active:
+            return
+        try:
+            self.ledger.track_all(tensors, category)
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+
+    def track_storages(self, storages: list[torch.UntypedStorage], category: str) -> None:
+        """Account storages FSDP keeps (and resizes) under ``category``."""
+        if not self.active:
+            return
+        try:
+            self.ledger.track_storages(storages, category)
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+
+    def refresh(self, tensor: torch.Tensor | None) -> None:
+        """``tensor``'s storages may have been resized: re-read their sizes."""
+        if tensor is None or not self.active:
+            return
+        try:
+            self.ledger.refresh(tensor)
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+
+    def refresh_storages(self, storages: list[torch.UntypedStorage]) -> None:
+        """``storages`` may have been resized: re-read their sizes."""
+        if not self.active:
+            return
+        try:
+            self.ledger.refresh_storages(storages)
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)

@@ -1,0 +1,153 @@
+"""The step state machine driven directly, without FSDP or spawned ranks (milliseconds)."""
+
+from __future__ import annotations
+
+import torch
+
+from fsdp_mem_otel.schema import (
+    ACTIVATION,
+    AFTER_POST_BACKWARD,
+    AFTER_POST_FORWARD,
+    AFTER_PRE_BACKWARD,
+    AFTER_PRE_FORWARD,
+    BEFORE_POST_BACKWARD,
+    BEFORE_POST_FORWARD,
+    BEFORE_PRE_BACKWARD,
+    BEFORE_PRE_FORWARD,
+    PEAK_BACKWARD,
+    PEAK_FORWARD,
+    POST_FORWARD_AC,
+    PRE_FORWARD_AC,
+    TEMP,
+    TOTAL,
+)
+from fsdp_mem_otel.training.ledger import Ledger
+from fsdp_mem_otel.training.recorder import StepRecorder
+
+FWD = (BEFORE_PRE_FORWARD, AFTER_PRE_FORWARD, BEFORE_POST_FORWARD, AFTER_POST_FORWARD)
+BWD = (BEFORE_PRE_BACKWARD, AFTER_PRE_BACKWARD, BEFORE_POST_BACKWARD, AFTER_POST_BACKWARD)
+
+
+def _total(snap: dict[str, dict[str, int]]) -> int:
+    return snap["cpu"][TOTAL] if snap else 0
+
+
+def test_nested_forward_windows_give_each_module_its_own_peak() -> None:
+    ledger = Ledger()
+    rec = StepRecorder(ledger)
+    keep = []
+    rec.on_state("<root>", BEFORE_PRE_FORWARD)
+    rec.on_state("<root>", AFTER_PRE_FORWARD)
+    for i, size in enumerate((100, 300)):
+        key = f"layers.{i}"
+        rec.on_state(key, BEFORE_PRE_FORWARD)
+        rec.on_state(key, AFTER_PRE_FORWARD)
+        tmp = torch.empty(size)  # 4 * size bytes, freed before the module ends
+        ledger.track(tmp, TEMP)
+        del tmp
+        kept = torch.empty(10)
+        ledger.track(kept, ACTIVATION)
+        keep.append(kept)
+        rec.on_state(key, BEFORE_POST_FORWARD)
+        rec.on_state(key, AFTER_POST_FORWARD)
+    rec.on_state("<root>", BEFORE_POST_FORWARD)
+    rec.on_state("<root>", AFTER_POST_FORWARD)
+    peak0 = rec.modules["layers.0"].snapshots[PEAK_FORWARD]
+    peak1 = rec.modules["layers.1"].snapshots[PEAK_FORWARD]
+    assert _total(peak0[0]) == 400  # the temporary alone, before the kept 40 bytes
+    assert _total(peak1[0]) == 40 + 1200  # layers.0's activation still live
+    assert peak1[0]["cpu"][TEMP] == 1200
+    assert _total(rec.modules["<root>"].snapshots[PEAK_FORWARD][0]) == 1240
+    assert rec.modules["layers.1"].snapshots[AFTER_POST_FORWARD][0]["cpu"][ACTIVATION] == 80
+    assert not rec.in_pass
+
+
+def test_out_of_order_close_closes_inner_windows_first() -> None:
+    ledger = Ledger()
+    rec = StepRecorder(ledger)
+    rec.on_state("a", BEFORE_PRE_BACKWARD)
+    rec.on_state("b", BEFORE_PRE_BACKWARD)
+    big = torch.empty(50)
+    ledger.track(big, TEMP)
+    rec.on_state("a", AFTER_POST_BACKWARD)  # FSDP finishes a before b: b's window closes too
+    assert [s for s in rec.modules["b"].snapshots] == [BEFORE_PRE_BACKWARD, PEAK_BACKWARD]
+    assert _total(rec.modules["b"].snapshots[PEAK_BACKWARD][0]) == 200
+    assert _total(rec.modules["a"].snapshots[PEAK_BACKWARD][0]) == 200
+    assert not rec.in_pass
+    rec.on_state("b", AFTER_POST_BACKWARD)  # its window is gone: a snapshot, no second peak
+    assert len(rec.modules["b"].snapshots[PEAK_BACKWARD]) == 1
+
+
+def test_forward_states_in_backward_are_a_recompute() -> None:
+    rec = StepRecorder(Ledger())
+    for state in FWD:
+        rec.on_state("outer", state, in_backward=True)
+        if state == AFTER_PRE_FORWARD:
+            assert rec.context.in_ac_recompute
+            for inner_state in FWD:
+                rec.on_state("inner", inner_state, in_backward=True)
+            assert rec.context.in_ac_recompute  # the outermost recompute owns the flag
+    assert not rec.context.in_ac_recompute
+    assert set(rec.modules["outer"].snapshots) == {PRE_FORWARD_AC, POST_FORWARD_AC}
+    assert set(rec.modules["inner"].snapshots) == {PRE_FORWARD_AC, POST_FORWARD_AC}
+    assert not rec.in_pass  # a recompute opens no peak window
+
+
+def test_location_names_the_innermost_running_module() -> None:
+    rec = StepRecorder(Ledger())
+    assert rec.location() == ("", "")
+    rec.on_state("<root>", BEFORE_PRE_FORWARD)
+    rec.on_state("layers.0", BEFORE_PRE_FORWARD)
+    rec.on_state("layers.0", AFTER_PRE_FORWARD)
+    assert rec.location() == ("layers.0", AFTER_PRE_FORWARD)
+    rec.close_open_windows()  # step end with the pass still open (an abort)
+    assert not rec.in_pass
+    assert rec.location() == ("<root>", PEAK_FORWARD)
+    rec.reset()
+    assert rec.location() == ("", "") and rec.modules == {}
+
+
+def test_phases_follow_the_states() -> None:
+    rec = StepRecorder(Ledger())
+    phases = []
+    for state in FWD + BWD:
+        rec.on_state("m", state)
+        phases.append(rec.context.phase)
+    assert phases == ["pre_forward", "forward", "post_forward", "forward",
+                      "pre_backward", "backward", "post_backward", "post_backward"]
+    rec.reset()
+    assert rec.context.phase == "idle"
+
+
+def test_one_snapshot_per_call_with_times() -> None:
+    rec = StepRecorder(Ledger())
+    for _ in range(3):  # a module called three times (gradient accumulation, reuse)
+        for state in FWD:
+            rec.on_state("m", state)
+    mod = rec.modules["m"]
+    assert all(len(mod.snapshots[s]) == 3 for s in (*FWD, PEAK_FORWARD))
+    assert all(len(mod.times[s]) == len(mod.snapshots[s]) for s in mod.snapshots)
+    assert mod.times[BEFORE_PRE_FORWARD] == sorted(mod.times[BEFORE_PRE_FORWARD])
+
+
+def test_overlapping_windows_end_alone() -> None:
+    # Backward windows of modules sharing an FSDP group overlap without nesting.
+    ledger = Ledger()
+    rec = StepRecorder(ledger)
+    rec.open_window("b", PEAK_BACKWARD)
+    x = torch.empty(100)  # 400 B while only b is open
+    ledger.track(x, TEMP)
+    rec.open_window("a", PEAK_BACKWARD)
+    y = torch.empty(50)  # 600 B with a open too
+    ledger.track(y, TEMP)
+    del x, y  # 0 B
+    rec.end_window("b", PEAK_BACKWARD)  # b ends first although a opened later
+    z = torch.empty(25)  # 100 B, a only
+    ledger.track(z, TEMP)
+    rec.end_window("a", PEAK_BACKWARD)
+    assert _total(rec.modules["b"].snapshots[PEAK_BACKWARD][0]) == 600
+    assert _total(rec.modules["a"].snapshots[PEAK_BACKWARD][0]) == 600  # y's moment is a's too
+    assert not rec.in_pass
+    rec.open_window("c", PEAK_BACKWARD)
+    rec.end_window("nope", PEAK_BACKWARD)  # not open: nothing happens
+    assert rec.windows == [("c", PEAK_BACKWARD)]

@@ -1,0 +1,145 @@
+"""The hot-path sink driven directly, without FSDP or spawned ranks (milliseconds).
+
+Oracles: numel x element size of the tensors handed in, and autograd itself (what it saves).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fsdp_mem_otel.schema import (
+    ACTIVATION,
+    AFTER_POST_FORWARD,
+    AFTER_PRE_FORWARD,
+    ALL_GATHER,
+    BEFORE_POST_FORWARD,
+    BEFORE_PRE_FORWARD,
+    PEAK_FORWARD,
+    TOTAL,
+    UNSHARDED_PARAM,
+)
+from fsdp_mem_otel.training.ledger import INDEX, Ledger
+from fsdp_mem_otel.training.recorder import StepRecorder
+from fsdp_mem_otel.training.sink import Sink
+
+
+def _sink(**kwargs: object) -> tuple[Sink, Ledger, list[BaseException]]:
+    ledger = Ledger()
+    errors: list[BaseException] = []
+    sink = Sink(ledger, StepRecorder(ledger), errors.append, **kwargs)  # type: ignore[arg-type]
+    sink.active = True
+    return sink, ledger, errors
+
+
+def _forward(sink: Sink, key: str, inputs: object, body: object) -> torch.Tensor:
+    sink.on_state(key, BEFORE_PRE_FORWARD)
+    sink.on_state(key, AFTER_PRE_FORWARD, inputs)
+    out = body()  # type: ignore[operator]
+    sink.on_state(key, BEFORE_POST_FORWARD, out)
+    sink.on_state(key, AFTER_POST_FORWARD, out)
+    return out
+
+
+def test_outputs_and_saved_tensors_count_as_activations() -> None:
+    sink, ledger, errors = _sink()
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+    ledger.track(w, UNSHARDED_PARAM)  # known storages keep their category
+    out = _forward(sink, "<root>", (x,), lambda: torch.tanh(x @ w))
+    acts = ledger.current["cpu"][ACTIVATION]
+    # x (the input), the tanh output (saved by tanh's backward and returned); w stays a parameter
+    assert acts == x.numel() * 4 + out.numel() * 4
+    assert ledger.current["cpu"][UNSHARDED_PARAM] == w.numel() * 4
+    assert errors == []
+    del out
+    assert ledger.current["cpu"][ACTIVATION] == x.numel() * 4  # freed with the graph
+
+
+def test_saved_tensor_hooks_only_during_the_outermost_forward() -> None:
+    sink, ledger, _ = _sink()
+    x = torch.randn(16, requires_grad=True)
+    sink.on_state("<root>", BEFORE_PRE_FORWARD)
+    sink.on_state("a", BEFORE_PRE_FORWARD)
+    y = x.exp()  # saves its output: counted
+    sink.on_state("a", BEFORE_POST_FORWARD, y)
+    sink.on_state("a", AFTER_POST_FORWARD, y)
+    z = y.exp()  # still inside the root's forward: counted
+    sink.on_state("<root>", BEFORE_POST_FORWARD, z)
+    sink.on_state("<root>", AFTER_POST_FORWARD, z)
+    after = ledger.current["cpu"][ACTIVATION]
+    w = z.exp()  # after the outermost forward: not seen
+    assert after == (y.numel() + z.numel()) * 4
+    assert ledger.current["cpu"][ACTIVATION] == after
+    del w
+
+
+def test_deep_steps_leave_activations_to_the_dispatch_mode() -> None:
+    sink, ledger, _ = _sink()
+    sink.deep = True
+    x = torch.randn(16, requires_grad=True)
+    _forward(sink, "<root>", (x,), lambda: x.exp())
+    assert ledger.current.get("cpu", {}).get(ACTIVATION, 0) == 0
+
+
+def test_integer_accounts_make_peaks_and_windows() -> None:
+    sink, ledger, _ = _sink()
+    sink.on_state("<root>", BEFORE_PRE_FORWARD)
+    sink.add("cpu", INDEX[ALL_GATHER], 1000)
+    sink.add("cpu", INDEX[UNSHARDED_PARAM], 4000)
+    sink.add("cpu", INDEX[ALL_GATHER], -1000)
+    sink.on_state("<root>", AFTER_POST_FORWARD)
+    peak = sink.recorder.modules["<root>"].snapshots[PEAK_FORWARD][0]["cpu"]
+    assert (peak[TOTAL], peak[ALL_GATHER], peak[UNSHARDED_PARAM]) == (5000, 1000, 4000)
+    assert ledger.current["cpu"][TOTAL] == 4000
+
+
+def test_hold_and_forget_keep_an_entry_without_bytes() -> None:
+    sink, ledger, _ = _sink()
+    t = torch.empty(100)
+    sink.hold(t.untyped_storage(), UNSHARDED_PARAM)
+    assert ledger.knows(t.untyped_storage()) and ledger.current == {}
+    sink.track(t, ALL_GATHER)  # per-tensor accounting takes it: bytes and category
+    assert ledger.current["cpu"][ALL_GATHER] == 400
+    sink.forget(t.untyped_storage())  # released by FSDP, whoever still holds it
+    assert ledger.current["cpu"][TOTAL] == 0 and ledger.knows(t.untyped_storage())
+    del t
+    assert len(ledger) == 0 and ledger.current["cpu"][TOTAL] == 0
+
+
+def test_a_pending_deep_step_starts_at_the_first_forward_only() -> None:
+    sink, _, _ = _sink()
+    started: list[int] = []
+    sink.on_forward = lambda: started.append(1)
+    sink.forward_pending = True
+    x = torch.randn(4)
+    _forward(sink, "<root>", (x,), lambda: x + 1)
+    _forward(sink, "<root>", (x,), lambda: x + 2)  # a second micro-batch
+    assert started == [1]
+
+
+def test_a_raising_forward_is_reported_once_per_state_without_outputs() -> None:
+    sink, _, _ = _sink()
+    seen: list[BaseException] = []
+    sink.on_raising_forward = seen.append
+    sink.on_state("<root>", BEFORE_PRE_FORWARD)
+    try:
+        raise RuntimeError("out of memory (injected)")
+    except RuntimeError:
+        sink.on_state("<root>", AFTER_POST_FORWARD)  # always_call hooks run with no outputs
+    assert [str(e) for e in seen] == ["out of memory (injected)"]
+
+
+def test_failures_are_contained_and_inactive_sinks_do_nothing() -> None:
+    sink, ledger, errors = _sink()
+
+    def broken() -> dict[str, list[int]]:
+        raise RuntimeError("broken ledger")
+
+    ledger.raw = broken  # type: ignore[method-assign]
+    sink.on_state("<root>", BEFORE_PRE_FORWARD)  # the snapshot fails: counted, not raised
+    assert [str(e) for e in errors] == ["broken ledger"]
+    sink.active = False
+    sink.add("cpu", INDEX[ALL_GATHER], 100)
+    sink.track(torch.empty(10), ACTIVATION)
+    sink.on_state("<root>", AFTER_POST_FORWARD)
+    assert ledger.current == {} and len(errors) == 1
