@@ -2,17 +2,24 @@
 
 Public API: FSDPMemoryTracker, TrackerConfig, StepReport, ModuleReport and the CATEGORIES / STATES
 vocabularies. Importing the package does not import torch; the tracker does.
+
+Layout: the shared vocabulary at the top (schema, config, env, checks, failures, identity), then
+one folder per part: ``training/`` (runs inside training, needs torch), ``exporters/`` (reports
+out to Prometheus, OpenTelemetry and JSON lines), ``fleet/`` (the sidecar, catalog, rules,
+dashboards and manifests, without torch), ``offline/`` (report, compare and the JSONL readers,
+without torch); ``integrations/`` and ``cli.py`` are entry points that wire them together.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from fsdp_mem_otel import _moved
 from fsdp_mem_otel.config import TrackerConfig
 from fsdp_mem_otel.schema import CATEGORIES, CATEGORY_KEYS, STATES, ModuleReport, StepReport
 
 if TYPE_CHECKING:
-    from fsdp_mem_otel.tracker import FSDPMemoryTracker
+    from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
 __all__ = [
     "CATEGORIES",
@@ -24,11 +31,12 @@ __all__ = [
     "TrackerConfig",
 ]
 __version__ = "0.1.0"
+_moved.install()  # 0.1's module paths (fsdp_mem_otel.tracker, ...) keep working
 
 
 def __getattr__(name: str) -> Any:
     if name == "FSDPMemoryTracker":
-        from fsdp_mem_otel.tracker import FSDPMemoryTracker
+        from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
         return FSDPMemoryTracker
     raise AttributeError(name)
