@@ -532,7 +532,7 @@ class OTelSpanExporter:
         start = int(report.start_time_ns) or int(report.end_time_ns) or time.time_ns()
         end = max(int(report.end_time_ns) or time.time_ns(), start)
         with_modules = self.wants_modules(report)
-        attributes = self._step_attributes(report)
+        attributes = _step_attributes(report, self._errors.total)
         attributes[ATTR_MODULE_SPANS] = with_modules
         ids = provider.id_generator
         trace_id = ids.generate_trace_id()
@@ -580,31 +580,6 @@ class OTelSpanExporter:
         for span in spans:
             self._processor.on_end(span)
 
-    def _step_attributes(self, report: StepReport) -> dict[str, Any]:
-        attrs: dict[str, Any] = {
-            ATTR_STEP: int(report.step),
-            ATTR_MODE: str(report.mode),
-            ATTR_FSDP_VERSION: int(report.fsdp_version),
-            ATTR_ERRORS: int(report.errors_total),
-            ATTR_EXPORTER_ERRORS: self._errors.total,
-            ATTR_OVERHEAD: float(report.tracker_overhead_seconds),
-        }
-        if report.peak:
-            devices = sorted(report.peak)
-            main = max(devices, key=lambda d: report.peak[d].get(TOTAL, 0))
-            attrs[ATTR_DEVICE] = str(main)
-            attrs[ATTR_DEVICES] = tuple(str(d) for d in devices)
-            for cat, value in report.peak[main].items():
-                if cat in _PEAK_ATTRS:
-                    attrs[_PEAK_ATTRS[cat]] = int(value)
-        if report.warnings:
-            attrs[ATTR_WARNINGS] = tuple(str(w) for w in report.warnings)
-        if report.aborted is not None:
-            a = report.aborted
-            attrs.update({ATTR_ABORTED_ERROR: str(a.error), ATTR_ABORTED_OOM: bool(a.oom),
-                          ATTR_ABORTED_MODULE: str(a.module), ATTR_ABORTED_STATE: str(a.state)})
-        return attrs
-
     def _add_snapshot_events(self, report: StepReport, calls: list[_Call], step_events: list[Event]) -> None:
         """Each snapshot becomes an event, in time order, on its own module's span of the same pass
         holding its time; else (activation-checkpoint recompute runs just before the module's
@@ -636,6 +611,32 @@ class OTelSpanExporter:
 
 #: W3C Trace Context level 2's random-trace-id flag, as the SDK's Tracer sets it (newer APIs only)
 _RANDOM_TRACE_ID = int(getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
+
+
+def _step_attributes(report: StepReport, exporter_errors: int) -> dict[str, Any]:
+    attrs: dict[str, Any] = {
+        ATTR_STEP: int(report.step),
+        ATTR_MODE: str(report.mode),
+        ATTR_FSDP_VERSION: int(report.fsdp_version),
+        ATTR_ERRORS: int(report.errors_total),
+        ATTR_EXPORTER_ERRORS: exporter_errors,
+        ATTR_OVERHEAD: float(report.tracker_overhead_seconds),
+    }
+    if report.peak:
+        devices = sorted(report.peak)
+        main = max(devices, key=lambda d: report.peak[d].get(TOTAL, 0))
+        attrs[ATTR_DEVICE] = str(main)
+        attrs[ATTR_DEVICES] = tuple(str(d) for d in devices)
+        for cat, value in report.peak[main].items():
+            if cat in _PEAK_ATTRS:
+                attrs[_PEAK_ATTRS[cat]] = int(value)
+    if report.warnings:
+        attrs[ATTR_WARNINGS] = tuple(str(w) for w in report.warnings)
+    if report.aborted is not None:
+        a = report.aborted
+        attrs.update({ATTR_ABORTED_ERROR: str(a.error), ATTR_ABORTED_OOM: bool(a.oom),
+                      ATTR_ABORTED_MODULE: str(a.module), ATTR_ABORTED_STATE: str(a.state)})
+    return attrs
 
 
 def _mem(cats: Mapping[str, int]) -> dict[str, int]:

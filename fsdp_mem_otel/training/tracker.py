@@ -1,4 +1,10 @@
-"""The tracker: lifecycle (attach / step / detach), light and deep modes, error containment."""
+"""The tracker's public lifecycle: attach, step, detach, close, from_env.
+
+It composes the parts that do the work: the FSDP adapter and the hot path it calls
+(``sink.py``), deep-mode control (``deep_steps.py``), optimizer tracking (``optimizers.py``),
+error containment and aborted steps (``containment.py``), and turns each step into a
+``StepReport`` for the exporters.
+"""
 
 from __future__ import annotations
 
@@ -23,32 +29,23 @@ from fsdp_mem_otel import env
 from fsdp_mem_otel.config import TrackerConfig
 from fsdp_mem_otel.exporters import Exporter
 from fsdp_mem_otel.failures import FailureLog
-from fsdp_mem_otel.schema import (
-    DEEP,
-    DEEP_SKIPPED_COMPILED,
-    INPUTS,
-    LIGHT,
-    WARNING_NOTHING_SHARDED,
-    WARNING_OPTIMIZER_NO_STATE,
-    StepAbort,
-    StepReport,
-)
+from fsdp_mem_otel.schema import INPUTS, WARNING_NOTHING_SHARDED, WARNING_OPTIMIZER_NO_STATE, StepReport
 from fsdp_mem_otel.training.adapters import make_adapter
 from fsdp_mem_otel.training.adapters.base import iter_tensors
 from fsdp_mem_otel.training.allocator import AllocatorProbe
-from fsdp_mem_otel.training.compile_support import (
-    called_from_compiled_code,
-    compiled_regions,
-    force_eager,
-    keep_out_of_dynamo,
-)
-from fsdp_mem_otel.training.deep import RESIZE_WATCH, DeepMode
+from fsdp_mem_otel.training.compile_support import keep_out_of_dynamo
+from fsdp_mem_otel.training.containment import ErrorPolicy, StepAborts
+from fsdp_mem_otel.training.deep_steps import DeepSteps
 from fsdp_mem_otel.training.ledger import Ledger
 from fsdp_mem_otel.training.optimizers import OptimizerWatch, unwrap_optimizers
 from fsdp_mem_otel.training.recorder import StepContext, StepRecorder
 from fsdp_mem_otel.training.sink import Sink
 
 logger = logging.getLogger(__name__)
+NOTHING_SHARDED = (
+    "fsdp_mem_otel: the model's FSDP shards nothing: every shard group has one rank in a job of %d ranks, so "
+    "each rank holds the whole model (check the mesh given to FSDP; Lightning's ModelParallelStrategy needs "
+    "data_parallel_size)")
 
 
 class FSDPMemoryTracker:
@@ -86,55 +83,33 @@ class FSDPMemoryTracker:
         config: TrackerConfig | None = None,
         exporters: Sequence[Exporter] = (),
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module wrapped with FSDP; got {type(model).__name__}")
+        config = _checked(model, mode, deep_every, config, exporters)
         optimizers = unwrap_optimizers(optimizer)
-        if config is not None and not isinstance(config, TrackerConfig):
-            raise TypeError(f"config must be a TrackerConfig or None; got {type(config).__name__}")
-        overrides = {k: v for k, v in (("mode", mode), ("deep_every", deep_every)) if v is not None}
-        if config is None:
-            config = TrackerConfig.from_env(None, **overrides)
-        elif overrides:
-            raise ValueError("pass either config or mode/deep_every, not both")
-        for i, exp in enumerate(exporters):
-            if not (callable(getattr(exp, "export", None)) and callable(getattr(exp, "shutdown", None))):
-                raise TypeError(f"exporters[{i}] must have export(report) and shutdown(); got {type(exp).__name__}")
         self.exporters = list(exporters)
         self.config = config
         self.model = model
+        self._errors = ErrorPolicy(config.max_errors, self.detach)
         self.ledger = Ledger()
         self.context = StepContext()
         self.recorder = StepRecorder(self.ledger, self.context)
         self._optimizers = OptimizerWatch(optimizers, self.ledger, self.context, self.report_error)
         self._probe = AllocatorProbe(reset_peaks=config.reset_peaks)
         self._sink = Sink(self.ledger, self.recorder, self.report_error, self._probe.sample, config.activations)
-        self._sink.on_forward = self._start_pending_deep
-        self._sink.on_raising_forward = self._note_raising_forward
+        self._aborts = StepAborts(self.recorder, self.ledger, self._probe, self.report_error)
+        self._sink.on_raising_forward = self._aborts.record
         keep_out_of_dynamo()
         self._adapter = make_adapter(model, self._sink)
+        self._deep = DeepSteps(config, model, self.ledger, self.context, self._sink, self._adapter, self.report_error)
         if optimizers:
             _check_optimizer_covers_model(self._optimizers.params(), model)
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.local_rank = int(os.environ.get(env.LOCAL_RANK, self.rank))
-
-        #: the tracker's own failures and its exporters' (each kind logged once)
-        self.failures = FailureLog(logger, "tracker")
-        self._own_errors = 0  # errors_total without exporter failures: what max_errors limits
         self.steps_completed = 0
-        #: deep steps that stayed light, by reason (``DEEP_SKIPPED_COMPILED``)
-        self.deep_skipped_total: dict[str, int] = {}
         self.attached = False
-        self.disabled = False
         self._owner_thread: int | None = None
         self._nothing_sharded = False
-        self._deep_mode: DeepMode | None = None
-        self._restore_stance: Any = None
-        self._step_mode = LIGHT
-        self._called_from_compiled = False  # an FSDP forward ran under a compiled caller
-        self._deep_skipped: str | None = None
-        self._abort: StepAbort | None = None
-        self._reset_step_state()
+        self._start_step()
 
     @classmethod
     def from_env(cls, model: nn.Module, optimizer: Any = None) -> FSDPMemoryTracker:
@@ -159,9 +134,17 @@ class FSDPMemoryTracker:
         if self.attached or not self.config.enabled:
             return self
         try:
-            self._install()
+            self._owner_thread = threading.get_ident()
+            self._adapter.attach()
+            for t, category in self._adapter.persistent_tensors():
+                self.ledger.track(t, category)
+            self._optimizers.attach()
+            if self.world_size > 1 and self._adapter.shards_nothing():
+                self._nothing_sharded = True
+                logger.warning(NOTHING_SHARDED, self.world_size)
         except Exception as exc:  # noqa: BLE001 - a failed attach must not stop training
-            self._uninstall()
+            self._optimizers.detach()
+            self._adapter.detach()
             self.report_error(exc, may_disable=False)
             return self
         self.attached = self._sink.active = True
@@ -171,77 +154,33 @@ class FSDPMemoryTracker:
             self.report_error(exc)
         self.ledger.reset_step()
         self._probe.start()
-        self._begin_step()
+        self._deep.begin(self.steps_completed + 1, not self.disabled)
         return self
-
-    def _install(self) -> None:
-        self._owner_thread = threading.get_ident()
-        self._adapter.attach()
-        for t, category in self._adapter.persistent_tensors():
-            self.ledger.track(t, category)
-        self._optimizers.attach()
-        self._check_sharding()
-
-    def _uninstall(self) -> None:
-        self._optimizers.detach()
-        self._adapter.detach()
-
-    def _check_sharding(self) -> None:
-        if self.world_size > 1 and self._adapter.shards_nothing() and not self._nothing_sharded:
-            self._nothing_sharded = True
-            logger.warning(
-                "fsdp_mem_otel: the model's FSDP shards nothing: every shard group has one rank in a job of %d "
-                "ranks, so each rank holds the whole model (check the mesh given to FSDP; Lightning's "
-                "ModelParallelStrategy needs data_parallel_size)", self.world_size)
 
     def detach(self) -> None:
         """Remove every hook and patch; accounting stops. Safe to call twice."""
         if not self.attached:
             return
         self.attached = self._sink.active = False
-        self._leave_deep()
+        self._deep.end()
         self._sink.end_step()
-        self._uninstall()
+        self._optimizers.detach()
+        self._adapter.detach()
+
+    def close(self) -> None:
+        """Detach and shut every exporter down (flushing what they hold). Safe to call twice."""
+        self.detach()
+        for exporter in self.exporters:
+            try:
+                exporter.shutdown()
+            except Exception as exc:  # noqa: BLE001
+                self.report_error(exc)
 
     def __enter__(self) -> FSDPMemoryTracker:
         return self.attach()
 
     def __exit__(self, *exc: object) -> None:
         self.detach()
-
-    @property
-    def errors_total(self) -> int:
-        """Internal failures so far (exporter failures included); never raised into training."""
-        return self.failures.total
-
-    @property
-    def module_keys(self) -> list[str]:
-        """Keys of the tracked FSDP modules, in named_modules() order."""
-        return self._adapter.module_keys()
-
-    @property
-    def fsdp_version(self) -> int:
-        return self._adapter.fsdp_version
-
-    @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        """The torch optimizers whose state is accounted (unwrapped from what was passed)."""
-        return self._optimizers.optimizers
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer | None:
-        """The first of ``optimizers`` (the only one, unless a container was passed), or None."""
-        return self._optimizers.optimizers[0] if self._optimizers.optimizers else None
-
-    @property
-    def warnings(self) -> list[str]:
-        """What is wrong with the setup being measured (``schema.WARNINGS``), as in each report."""
-        found = []
-        if self._optimizers.no_state:
-            found.append(WARNING_OPTIMIZER_NO_STATE)
-        if self._nothing_sharded:
-            found.append(WARNING_NOTHING_SHARDED)
-        return found
 
     def step(self) -> StepReport:
         """Close the current step: return its report and start the next one.
@@ -254,34 +193,20 @@ class FSDPMemoryTracker:
                 "tracker.step() must be called from the thread that called attach() (the training "
                 "loop's thread): deep mode's dispatch mode is per thread"
             )
-        now = time.perf_counter()
         self.steps_completed += 1
         end_ns = time.time_ns()
         report = StepReport(
-            step=self.steps_completed,
-            rank=self.rank,
-            world_size=self.world_size,
-            mode=self._step_mode,
-            fsdp_version=self.fsdp_version,
-            peak={},
-            modules={},
-            module_order=self.module_keys,
-            duration_seconds=now - self._step_started,
-            errors_total=self.errors_total,
-            timestamp=end_ns / 1e9,
-            local_rank=self.local_rank,
-            start_time_ns=self._step_started_ns,
-            end_time_ns=end_ns,
-            deep_skipped=self._deep_skipped,
+            step=self.steps_completed, rank=self.rank, world_size=self.world_size, mode=self._deep.step_mode,
+            fsdp_version=self.fsdp_version, peak={}, modules={}, module_order=self.module_keys,
+            duration_seconds=time.perf_counter() - self._step_started, errors_total=self.errors_total,
+            timestamp=end_ns / 1e9, local_rank=self.local_rank, start_time_ns=self._step_started_ns,
+            end_time_ns=end_ns, deep_skipped=self._deep.skipped,
         )
         try:
-            overhead = self._sink.overhead
+            report.tracker_overhead_seconds = self._sink.overhead
             self._sink.end_step()  # a forward that raised before its end left hooks pushed
-            if self._abort is None and self.recorder.in_pass:
-                self._abort = self._make_abort(
-                    "IncompleteStep", "step() called while a forward or backward pass was still open", False
-                )
-            report.aborted = self._abort
+            self._aborts.incomplete()
+            report.aborted = self._aborts.take()
             self._optimizers.step_end()
             report.warnings = self.warnings
             self._adapter.reconcile()
@@ -291,31 +216,50 @@ class FSDPMemoryTracker:
             report.current = self.ledger.snapshot()
             report.allocator = self._probe.step_stats({d: c["total"] for d, c in report.current.items()})
             report.modules = self.recorder.modules
-            report.tracker_overhead_seconds = overhead
         except Exception as exc:  # noqa: BLE001
             self.report_error(exc)
         report.errors_total = self.errors_total
-        self._leave_deep()
-        self._reset_step_state()
+        self._deep.end()
+        self._start_step()
         self.ledger.reset_step()
         for exporter in self.exporters:
             try:
                 exporter.export(report)
             except Exception as exc:  # noqa: BLE001 - an exporter must not break training
-                # counted and logged, but a failing exporter does not switch measuring off
-                self.report_error(exc, may_disable=False)
+                self.report_error(exc, may_disable=False)  # counted; measuring stays on
         if self.attached:
-            self._begin_step()
+            self._deep.begin(self.steps_completed + 1, not self.disabled)
         return report
 
-    def close(self) -> None:
-        """Detach and shut every exporter down (flushing what they hold). Safe to call twice."""
-        self.detach()
-        for exporter in self.exporters:
-            try:
-                exporter.shutdown()
-            except Exception as exc:  # noqa: BLE001
-                self.report_error(exc)
+    def _start_step(self) -> None:
+        self.recorder.reset()
+        self._aborts.take()
+        self._step_started = time.perf_counter()
+        self._step_started_ns = time.time_ns()
+
+    # -- what training code calls besides step() -------------------------------------------------
+    def track_inputs(self, obj: Any) -> None:
+        """Account the tensors in ``obj`` (nested lists/tuples/dicts) as model inputs."""
+        try:
+            for t in iter_tensors(obj):
+                self.ledger.track(t, INPUTS)
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+
+    @contextlib.contextmanager
+    def saved_activations(self) -> Iterator[None]:
+        """Light mode: account what autograd saves inside the block as activations, for work
+        outside any FSDP module's forward, such as a loss computed after the model
+        (``with tracker.saved_activations(): loss = loss_fn(pred, labels)``)."""
+        acts = self._sink.activations
+        push = self.attached and not self._deep.active and self.config.activations and not acts.active
+        if push:
+            acts.push()
+        try:
+            yield
+        finally:
+            if push:
+                acts.pop()
 
     def record_exception(self, exc: BaseException) -> None:
         """Mark the current step as stopped by ``exc`` (e.g. torch.OutOfMemoryError).
@@ -324,12 +268,11 @@ class FSDPMemoryTracker:
         next ``step()`` reports them in ``StepReport.aborted`` with the step's peak so far, and
         the step after that is tracked normally. ``step_scope()`` calls this for you.
         """
-        if not self.attached or self._abort is not None:
-            return
-        try:
-            self._abort = self._make_abort(type(exc).__name__, str(exc)[:500], _is_oom(exc))
-        except Exception as err:  # noqa: BLE001
-            self.report_error(err)
+        if self.attached:
+            try:
+                self._aborts.record(exc)
+            except Exception as err:  # noqa: BLE001
+                self.report_error(err)
 
     @contextlib.contextmanager
     def step_scope(self) -> Iterator[None]:
@@ -341,172 +284,47 @@ class FSDPMemoryTracker:
             self.record_exception(exc)
             raise
 
-    def _note_raising_forward(self, exc: BaseException) -> None:
-        # the sink saw a forward raise: locate the abort now, before the windows close
-        if self._abort is None:
-            self._abort = self._make_abort(type(exc).__name__, str(exc)[:500], _is_oom(exc))
-
-    def _make_abort(self, error: str, message: str, oom: bool) -> StepAbort:
-        module, state = self.recorder.location()
-        abort = StepAbort(error, message, oom, module, state, self.ledger.snapshot())
-        try:
-            abort.outside_pytorch_bytes = self._probe.outside_pytorch()
-        except Exception as exc:  # noqa: BLE001 - the abort itself must be kept
-            self.report_error(exc)
-        return abort
-
-    @contextlib.contextmanager
-    def saved_activations(self) -> Iterator[None]:
-        """Light mode: account what autograd saves inside the block as activations, for work
-        outside any FSDP module's forward, such as a loss computed after the model
-        (``with tracker.saved_activations(): loss = loss_fn(pred, labels)``)."""
-        acts = self._sink.activations
-        push = self.attached and self._deep_mode is None and self.config.activations and not acts.active
-        if push:
-            acts.push()
-        try:
-            yield
-        finally:
-            if push:
-                acts.pop()
-
-    def track_inputs(self, obj: Any) -> None:
-        """Account the tensors in ``obj`` (nested lists/tuples/dicts) as model inputs."""
-        try:
-            for t in iter_tensors(obj):
-                self.ledger.track(t, INPUTS)
-        except Exception as exc:  # noqa: BLE001
-            self.report_error(exc)
-
-    # -- step internals ------------------------------------------------------------------------
-    def _reset_step_state(self) -> None:
-        self.recorder.reset()
-        self._step_started = time.perf_counter()
-        self._step_started_ns = time.time_ns()
-        self._abort = None
-        self._deep_skipped = None
-
-    def _begin_step(self) -> None:
-        step = self.steps_completed + 1
-        self._step_mode = LIGHT
-        self._sink.forward_pending = False
-        if not self.config.is_deep(step) or self.disabled:
-            return
-        if self._runs_compiled_code():
-            if self.config.deep_when_compiled == "skip":
-                self._skip_deep()
-                return
-            self._enter_deep()  # deep_when_compiled="eager": the whole step runs eagerly
-            return
-        # Deep mode starts at the step's first FSDP forward, where a compiled caller (an outer
-        # torch.compile(model), a compiled training step) shows: entered before it, the dispatch
-        # mode would make dynamo run that caller eagerly, changing the run.
-        self._sink.forward_pending = True
-
-    def _skip_deep(self) -> None:
-        self._step_mode = LIGHT
-        self._deep_skipped = DEEP_SKIPPED_COMPILED
-        self.deep_skipped_total[DEEP_SKIPPED_COMPILED] = self.deep_skipped_total.get(DEEP_SKIPPED_COMPILED, 0) + 1
-        if self.deep_skipped_total[DEEP_SKIPPED_COMPILED] == 1:
-            logger.warning(
-                "fsdp_mem_otel: deep steps stay light on this model: it runs torch.compile'd code, which a "
-                "deep step would run eagerly (set deep_when_compiled='eager' / FSDP_MEM_OTEL_DEEP_WHEN_COMPILED"
-                "=eager to measure such steps eagerly)"
-            )
-
-    def _runs_compiled_code(self) -> bool:
-        if self._called_from_compiled:
-            return True
-        try:
-            return bool(compiled_regions(self.model))
-        except Exception as exc:  # noqa: BLE001
-            self.report_error(exc)
-            return True  # unsure: do not risk running compiled code eagerly
-
-    def _start_pending_deep(self) -> None:
-        """The step's first FSDP forward of a deep step: go deep, unless compiled code called it."""
-        if called_from_compiled_code():
-            self._called_from_compiled = True
-            self._skip_deep()
-        else:
-            self._enter_deep()
-
-    def _enter_deep(self) -> None:
-        if self._deep_mode is not None:
-            return
-        try:
-            if self.config.deep_when_compiled == "eager" and self._runs_compiled_code():
-                self._restore_stance = force_eager()
-            self._deep_mode = DeepMode(self.ledger, self.context, self.report_error)
-            self._deep_mode.__enter__()
-            RESIZE_WATCH.add(self.ledger)
-            self.ledger.offer_on_add = False
-            self._sink.deep = True
-            self._step_mode = DEEP
-            self._adapter.use_tensors(True)
-        except Exception as exc:  # noqa: BLE001
-            self._deep_mode = None
-            self._restore_eager_stance()
-            self.report_error(exc)
-
-    def _restore_eager_stance(self) -> None:
-        restore, self._restore_stance = self._restore_stance, None
-        if restore is not None:
-            try:
-                restore()
-            except Exception as exc:  # noqa: BLE001
-                self.report_error(exc)
-
-    def _leave_deep(self) -> None:
-        mode, self._deep_mode = self._deep_mode, None
-        if mode is None:
-            return
-        self.ledger.offer_on_add = True
-        self._sink.deep = False
-        RESIZE_WATCH.discard(self.ledger)
-        try:
-            from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-            if _get_current_dispatch_mode() is not mode:
-                raise RuntimeError(
-                    "deep-mode dispatch mode is not the innermost active mode at step(); "
-                    "call tracker.step() outside any other TorchDispatchMode, on the training thread"
-                )
-            mode.__exit__(None, None, None)
-        except Exception as exc:  # noqa: BLE001
-            self.report_error(exc)
-        try:
-            self._adapter.use_tensors(False)
-        except Exception as exc:  # noqa: BLE001
-            self.report_error(exc)
-        self._restore_eager_stance()
-
     def report_error(self, exc: BaseException, may_disable: bool = True) -> None:
         """Count an internal failure, log it once per kind, and detach after too many
         (``max_errors``) of the tracker's own; exporter failures pass ``may_disable=False``."""
-        self.failures.failed(f"{type(exc).__name__} at {_origin(exc)}", exc, repr(exc))
-        if may_disable:
-            self._own_errors += 1
-        limit = self.config.max_errors
-        if limit and self._own_errors >= limit and not self.disabled:
-            self.disabled = True
-            logger.error("fsdp_mem_otel: %d internal errors, the tracker detached itself (training continues)",
-                         self.errors_total)
-            try:
-                self.detach()
-            except Exception:  # noqa: BLE001
-                logger.exception("fsdp_mem_otel: detach after errors failed")
+        self._errors.report(exc, may_disable)
+
+    # -- state: errors (exporters' included), self-disabling, deep steps skipped by reason, the
+    # tracked FSDP modules' keys (named_modules() order), the torch optimizers behind what was passed
+    errors_total = property(lambda self: self._errors.total)
+    failures: FailureLog = property(lambda self: self._errors.failures)  # type: ignore[assignment]
+    disabled = property(lambda self: self._errors.disabled)
+    deep_skipped_total = property(lambda self: self._deep.skipped_total)
+    module_keys = property(lambda self: self._adapter.module_keys())
+    fsdp_version = property(lambda self: self._adapter.fsdp_version)
+    optimizers = property(lambda self: self._optimizers.optimizers)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The first of ``optimizers`` (the only one, unless a container was passed), or None."""
+        return self._optimizers.optimizers[0] if self._optimizers.optimizers else None
+
+    @property
+    def warnings(self) -> list[str]:
+        """What is wrong with the setup being measured (``schema.WARNINGS``), as in each report."""
+        return ([WARNING_OPTIMIZER_NO_STATE] if self._optimizers.no_state else []) + (
+            [WARNING_NOTHING_SHARDED] if self._nothing_sharded else [])
 
 
-def _is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
-
-
-def _origin(exc: BaseException) -> str:
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else "?"
+def _checked(model: nn.Module, mode: str | None, deep_every: int | None, config: TrackerConfig | None,
+             exporters: Sequence[Exporter]) -> TrackerConfig:
+    """The tracker's arguments checked (errors name the argument); its config."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module wrapped with FSDP; got {type(model).__name__}")
+    if config is not None and not isinstance(config, TrackerConfig):
+        raise TypeError(f"config must be a TrackerConfig or None; got {type(config).__name__}")
+    overrides = {k: v for k, v in (("mode", mode), ("deep_every", deep_every)) if v is not None}
+    if config is not None and overrides:
+        raise ValueError("pass either config or mode/deep_every, not both")
+    for i, exp in enumerate(exporters):
+        if not (callable(getattr(exp, "export", None)) and callable(getattr(exp, "shutdown", None))):
+            raise TypeError(f"exporters[{i}] must have export(report) and shutdown(); got {type(exp).__name__}")
+    return config if config is not None else TrackerConfig.from_env(None, **overrides)
 
 
 def _check_optimizer_covers_model(opt_params: list[torch.Tensor], model: nn.Module) -> None:

@@ -1,0 +1,106 @@
+"""Optimizer tracking driven directly on plain torch optimizers, without FSDP or ranks.
+
+Oracle: numel x element size of the optimizers' own state tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_mem_otel.training.ledger import Ledger
+from fsdp_mem_otel.training.optimizers import OptimizerWatch, unwrap_optimizers
+from fsdp_mem_otel.training.recorder import StepContext
+
+
+def _state_bytes(*opts: torch.optim.Optimizer) -> int:
+    return sum(v.numel() * v.element_size() for o in opts for s in o.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor))
+
+
+class _Wrapper:  # accelerate's AcceleratedOptimizer holds it as .optimizer
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+
+class _Container(torch.optim.Optimizer):  # torchtitan's OptimizersContainer keeps them in .optimizers
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.optimizers = [torch.optim.Adam(params[:1]), torch.optim.SGD(params[1:], lr=0.1, momentum=0.9)]
+        super().__init__(params, {})
+
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        for o in self.optimizers:
+            o.step()
+
+
+def _train(model: nn.Module, opt: object) -> None:
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()  # type: ignore[attr-defined]
+
+
+def test_wrappers_and_containers_are_unwrapped() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    adam = torch.optim.Adam(model.parameters())
+    assert unwrap_optimizers(_Wrapper(_Wrapper(adam))) == [adam]
+    container = _Container(list(model.parameters()))
+    assert unwrap_optimizers(container) == container.optimizers
+    assert unwrap_optimizers(None) == []
+    with pytest.raises(TypeError, match="optimizer must be"):
+        unwrap_optimizers(object())
+
+
+def test_state_of_every_inner_optimizer_is_accounted_and_scanned_only_on_change() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    container = _Container(list(model.parameters()))
+    ledger = Ledger()
+    watch = OptimizerWatch(unwrap_optimizers(container), ledger, StepContext(), lambda exc: pytest.fail(str(exc)))
+    watch.attach()
+    scans = 0
+    scan = watch.track_state
+
+    def counted() -> int:
+        nonlocal scans
+        scans += 1
+        return scan()
+
+    watch.track_state = counted  # type: ignore[method-assign]
+    for _ in range(3):
+        _train(model, container)
+        watch.step_end()
+    assert ledger.current["cpu"]["optimizer_state"] == _state_bytes(*container.optimizers) > 0
+    assert scans == 2  # state created by each optimizer's first step; unchanged afterwards
+    assert not watch.no_state
+    container.optimizers[0].load_state_dict(container.optimizers[0].state_dict())  # new state tensors
+    _train(model, container)
+    assert ledger.current["cpu"]["optimizer_state"] == _state_bytes(*container.optimizers)
+    watch.detach()
+
+
+def test_an_optimizer_without_state_is_noticed() -> None:
+    model = nn.Linear(8, 8)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)  # no momentum: no state
+    watch = OptimizerWatch([sgd], Ledger(), StepContext(), lambda exc: pytest.fail(str(exc)))
+    watch.attach()
+    watch.step_end()
+    assert not watch.no_state  # it has not stepped yet
+    _train(model, sgd)
+    watch.step_end()
+    assert watch.no_state
+
+
+def test_a_closure_runs_outside_the_optimizer_phase() -> None:
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    context = StepContext()
+    watch = OptimizerWatch([opt], Ledger(), context, lambda exc: pytest.fail(str(exc)))
+    watch.attach()
+    phases: list[bool] = []
+
+    def closure() -> torch.Tensor:
+        phases.append(context.in_optimizer)
+        loss = model(torch.randn(2, 8)).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    assert phases == [False] and not context.in_optimizer
