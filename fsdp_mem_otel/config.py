@@ -38,6 +38,7 @@ _ENV_FIELDS = {
     env.FSDP_MEM_OTEL_RESET_PEAKS: "reset_peaks",
     env.FSDP_MEM_OTEL_ACTIVATIONS: "activations",
     env.FSDP_MEM_OTEL_DEEP_WHEN_COMPILED: "deep_when_compiled",
+    env.FSDP_MEM_OTEL_LEAK_WINDOW: "leak_window",
 }
 #: What a deep step does on a model with torch.compile'd regions.
 DEEP_WHEN_COMPILED = ("skip", "eager")
@@ -81,6 +82,9 @@ class TrackerConfig:
             (default: the step stays light, compiled code keeps running compiled, and the report
             says why) or "eager" (the step runs with compilation switched off, so deep mode sees
             every op; the numerics of that step are then eager ones).
+        leak_window: step ends the leak detector keeps (>= 10): a category whose live bytes at
+            the step end never fell over them and rose at 5 or more of them, and at half or more,
+            is reported as growing (``StepReport.leak``), from the 10th step end on.
     """
 
     mode: str = "light"
@@ -90,6 +94,7 @@ class TrackerConfig:
     reset_peaks: bool = False
     activations: bool = True
     deep_when_compiled: str = "skip"
+    leak_window: int = 30
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -100,6 +105,7 @@ class TrackerConfig:
             )
         check_int("deep_every", self.deep_every)
         check_int("max_errors", self.max_errors)
+        check_int("leak_window", self.leak_window, 10)
         for name in ("enabled", "reset_peaks", "activations"):
             check_bool(name, getattr(self, name))
 

@@ -24,6 +24,15 @@ FSDP_MEM_OTEL_ACTIVATIONS = "FSDP_MEM_OTEL_ACTIVATIONS"
 FSDP_MEM_OTEL_DEEP_WHEN_COMPILED = "FSDP_MEM_OTEL_DEEP_WHEN_COMPILED"
 """``skip`` (default) or ``eager``: what a deep step does on a model with compiled regions."""
 
+# -- switching it on for a fleet (fsdp_mem_otel.run and its bootstrap) ------------------------------
+FSDP_MEM_OTEL_AUTO = "FSDP_MEM_OTEL_AUTO"
+"""``1``: with ``PYTHONPATH`` at ``fsdp_mem_otel/bootstrap``, every Python process attaches the
+tracker to its FSDP root automatically, as ``python -m fsdp_mem_otel.run`` does (read by
+``fsdp_mem_otel/bootstrap/sitecustomize.py``, which imports nothing else of the package)."""
+FSDP_MEM_OTEL_LEAK_WINDOW = "FSDP_MEM_OTEL_LEAK_WINDOW"
+"""Step ends the leak detector looks back at (default 30, at least 10; a category that never fell
+over them and rose at 5 or more, and at half or more, is reported as growing)."""
+
 # -- where reports go (ExportConfig) ---------------------------------------------------------------
 FSDP_MEM_OTEL_PROMETHEUS = "FSDP_MEM_OTEL_PROMETHEUS"
 """Per-rank /metrics endpoint on (default) or off."""

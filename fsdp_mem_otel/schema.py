@@ -171,6 +171,32 @@ def breakdown_of(counters: dict[str, list[int]]) -> DeviceBreakdown:
 
 
 @dataclass
+class LeakReport:
+    """What stayed alive at a step's end that a healthy step frees, and what keeps growing.
+
+    ``growing``: category -> bytes per step, for each category whose live bytes at the step end
+    rose at every one of the last steps (see ``training/leaks.py``); ``held``: FSDP module ->
+    bytes its saved tensors, inputs and outputs still hold at the step end (light mode; the
+    largest holders), ``held_elsewhere`` the rest; ``steps``: step ends looked at.
+    """
+
+    growing: dict[str, float] = field(default_factory=dict)
+    held: dict[str, int] = field(default_factory=dict)
+    held_elsewhere: int = 0
+    steps: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"growing": dict(self.growing), "held": dict(self.held), "held_elsewhere": self.held_elsewhere,
+                "steps": self.steps}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LeakReport:
+        return cls({str(k): float(v) for k, v in data.get("growing", {}).items()},
+                   {str(k): int(v) for k, v in data.get("held", {}).items()},
+                   int(data.get("held_elsewhere", 0)), int(data.get("steps", 0)))
+
+
+@dataclass
 class StepAbort:
     """Why and where a step stopped early (an exception such as an OOM, or step() mid-pass)."""
 
@@ -238,6 +264,8 @@ class StepReport:
     #: FSDP groups light mode accounts per tensor because their own events cannot tell their
     #: buffers' bytes (see adapters/fsdp2_groups.py); 0 on every configuration tested
     fallback_groups: int = 0
+    #: None, or what stayed alive at the step's end and what keeps growing (see LeakReport)
+    leak: LeakReport | None = None
     #: in a JSONL file: this line was written without module snapshots (the JSONL budget), and
     #: ``modules`` are those of this earlier step, which readers fill in; None: its own
     modules_from: int | None = None
@@ -269,6 +297,7 @@ class StepReport:
             "deep_skipped": self.deep_skipped,
             "warnings": list(self.warnings),
             "fallback_groups": self.fallback_groups,
+            "leak": None if self.leak is None else self.leak.to_dict(),
             **({} if self.modules_from is None else {"modules_from": self.modules_from}),
         }
 
@@ -316,6 +345,7 @@ class StepReport:
             deep_skipped=None if data.get("deep_skipped") is None else str(data["deep_skipped"]),
             warnings=[str(w) for w in data.get("warnings", [])],
             fallback_groups=int(data.get("fallback_groups", 0)),
+            leak=None if data.get("leak") is None else LeakReport.from_dict(data["leak"]),
             modules_from=None if data.get("modules_from") is None else int(data["modules_from"]),
         )
 

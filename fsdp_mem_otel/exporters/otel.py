@@ -80,6 +80,10 @@ fsdp.exporter.errors_total     step      this exporter's failures so far
 fsdp.tracker_overhead_seconds  step      time the tracker spent in this step
 fsdp.module_spans              step      whether this step's module spans were exported
 fsdp.warnings                  step      StepReport.warnings, when there are any (string array)
+fsdp.leak.growing              step      categories growing step after step (StepReport.leak)
+fsdp.leak.<category>.          step      their growth, bytes per step
+bytes_per_step
+fsdp.leak.held_modules         step      modules whose tensors are alive at the step end (string array)
 fsdp.aborted.error             step      exception type name or "IncompleteStep" (status ERROR)
 fsdp.aborted.oom, .module,     step      where the step stopped (see model.StepAbort)
 .state
@@ -172,6 +176,8 @@ ATTR_EXPORTER_ERRORS = "fsdp.exporter.errors_total"
 ATTR_OVERHEAD = "fsdp.tracker_overhead_seconds"
 ATTR_MODULE_SPANS = "fsdp.module_spans"
 ATTR_WARNINGS = "fsdp.warnings"
+ATTR_LEAK_GROWING = "fsdp.leak.growing"
+ATTR_LEAK_HELD = "fsdp.leak.held_modules"
 ATTR_ABORTED_ERROR = "fsdp.aborted.error"
 ATTR_ABORTED_OOM = "fsdp.aborted.oom"
 ATTR_ABORTED_MODULE = "fsdp.aborted.module"
@@ -632,6 +638,10 @@ def _step_attributes(report: StepReport, exporter_errors: int) -> dict[str, Any]
                 attrs[_PEAK_ATTRS[cat]] = int(value)
     if report.warnings:
         attrs[ATTR_WARNINGS] = tuple(str(w) for w in report.warnings)
+    if report.leak is not None:
+        attrs[ATTR_LEAK_GROWING] = tuple(sorted(report.leak.growing))
+        attrs.update({f"fsdp.leak.{c}.bytes_per_step": float(v) for c, v in report.leak.growing.items()})
+        attrs[ATTR_LEAK_HELD] = tuple(report.leak.held)
     if report.aborted is not None:
         a = report.aborted
         attrs.update({ATTR_ABORTED_ERROR: str(a.error), ATTR_ABORTED_OOM: bool(a.oom),

@@ -185,6 +185,11 @@ class StepReportCollector:
         if report is not None:
             add(cat.SETUP_WARNING, [((kind,), float(kind in report.warnings)) for kind in WARNINGS])
             add(cat.LIGHT_FALLBACK_GROUPS, [((), float(report.fallback_groups))])
+            if report.leak is not None:  # only while something grows or is held: a bounded few series
+                fastest = sorted(report.leak.growing.items(), key=lambda kv: -kv[1])[:cat.LEAK_SERIES]
+                add(cat.LEAK_GROWTH, [((c,), float(v)) for c, v in fastest])
+                add(cat.STEP_END_HELD_BYTES,
+                    [((m,), float(n)) for m, n in list(report.leak.held.items())[:cat.LEAK_SERIES]])
         if last_oom is not None:
             when, abort = last_oom
             add(cat.LAST_OOM_TIMESTAMP_SECONDS, [((abort.module, abort.state), float(when))])

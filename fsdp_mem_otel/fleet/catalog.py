@@ -296,6 +296,20 @@ LIGHT_FALLBACK_GROUPS = Metric(
     "(a parameter with a gradient in some steps only, all-gather extensions); 0 on every tested configuration.",
     source="fallback_groups",
 )
+#: leak series per rank, each kind: the fastest-growing categories, the largest holders
+LEAK_SERIES = 3
+LEAK_GROWTH = Metric(
+    "fsdp_mem_leak_growth_bytes_per_step", GAUGE, "",
+    "Bytes per step by which the category's live bytes at the step end grow (they never fell and rose at half "
+    "the last steps or more: a leak, StepReport.leak); only while it grows, the 3 fastest categories.",
+    ("category",), source="leak",
+)
+STEP_END_HELD_BYTES = Metric(
+    "fsdp_mem_step_end_held_bytes", GAUGE, BYTES,
+    "Bytes the FSDP module's saved tensors, inputs and outputs still hold at the step end, after the optimizer "
+    "step (light mode; a healthy step frees them); only while held, the 3 largest holders.",
+    ("module",), source="leak",
+)
 LAST_OOM_TIMESTAMP_SECONDS = Metric(
     "fsdp_mem_last_oom_timestamp_seconds", GAUGE, SECONDS,
     "Unix time of the last out-of-memory step, labelled with the FSDP module and state that were active.",
@@ -395,6 +409,8 @@ METRICS: tuple[Metric, ...] = (
     DEEP_STEPS_SKIPPED_TOTAL,
     SETUP_WARNING,
     LIGHT_FALLBACK_GROUPS,
+    LEAK_GROWTH,
+    STEP_END_HELD_BYTES,
     LAST_OOM_TIMESTAMP_SECONDS,
     LAST_OOM_BYTES,
     LAST_OOM_OUTSIDE_PYTORCH_BYTES,

@@ -50,10 +50,13 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
 class SavedTensorAccounting:
     """Pushes accounting saved-tensor hooks for one forward at a time; never raises."""
 
-    def __init__(self, ledger: Ledger, on_error: Callable[[BaseException], None]) -> None:
+    def __init__(self, ledger: Ledger, on_error: Callable[[BaseException], None],
+                 owners: list[str] | None = None) -> None:
         self._ledger = ledger
         self._entries = ledger._entries
         self._on_error = on_error
+        #: the FSDP modules whose forward runs, innermost last: a saved tensor is the innermost's
+        self._owners = owners if owners is not None else []
         self._pushed: Callable[[torch.Tensor], Any] | None = None  # our pack hook while pushed
 
     @property
@@ -93,9 +96,10 @@ class SavedTensorAccounting:
             if type(t) is torch.Tensor and t.layout is _STRIDED:  # the common case, written out
                 st = t.untyped_storage()
                 if id(st) not in self._entries:
-                    self._ledger._new_entry(st, _ACTIVATION)
+                    owners = self._owners
+                    self._ledger._new_entry(st, _ACTIVATION, None, owners[-1] if owners else None)
             else:
-                self._ledger.track_new(t, ACTIVATION)
+                self._ledger.track_new(t, ACTIVATION, self._owners[-1] if self._owners else None)
         except Exception as exc:  # noqa: BLE001 - accounting must never break autograd
             self._on_error(exc)
         # A detached alias: holding ``t`` itself would tie a saved output to its own grad_fn,
@@ -103,15 +107,16 @@ class SavedTensorAccounting:
         return t.detach()
 
     def _chain(self, their_pack: Callable[[torch.Tensor], Any], _: Any) -> Callable[[torch.Tensor], Any]:
-        ledger, on_error = self._ledger, self._on_error
+        ledger, on_error, owners = self._ledger, self._on_error, self._owners
 
         def pack(t: torch.Tensor) -> Any:
             packed = their_pack(t)
             try:  # what is saved (alive as long as someone holds it) and what they keep of it
-                ledger.track_new(t, ACTIVATION)
+                owner = owners[-1] if owners else None
+                ledger.track_new(t, ACTIVATION, owner)
                 for obj in packed if isinstance(packed, tuple) else (packed,):
                     if isinstance(obj, torch.Tensor):
-                        ledger.track_new(obj, ACTIVATION)
+                        ledger.track_new(obj, ACTIVATION, owner)
             except Exception as exc:  # noqa: BLE001
                 on_error(exc)
             return packed

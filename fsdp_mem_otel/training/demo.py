@@ -135,15 +135,21 @@ def train_step(
     x: torch.Tensor,
     micro_batches: int = 1,
     on_inputs: Callable[[torch.Tensor], None] | None = None,
+    keep_losses: list[torch.Tensor] | None = None,
 ) -> float:
-    """zero_grad, ``micro_batches`` forward/backward passes, optimizer step; returns the loss."""
+    """zero_grad, ``micro_batches`` forward/backward passes, optimizer step; returns the loss.
+
+    ``keep_losses``: the classic leak, on purpose: each loss is kept in this list with its graph
+    (``backward(retain_graph=True)``), so every step's saved activations stay alive."""
     optimizer.zero_grad(set_to_none=True)
     total = 0.0
     for chunk in x.chunk(micro_batches):
         if on_inputs is not None:
             on_inputs(chunk)
         loss = model(chunk).pow(2).mean()
-        loss.backward()
+        loss.backward(retain_graph=keep_losses is not None)
+        if keep_losses is not None:
+            keep_losses.append(loss)
         total += float(loss.detach())
     optimizer.step()
     return total
@@ -183,12 +189,17 @@ def run_demo(argv: list[str] | None = None) -> int:
     if rank == 0:
         _print_destinations(tracker_config, export_config, tracker.exporters, world)
     last_deep = None
+    kept: list[torch.Tensor] | None = [] if args.leak else None
     with tracker:
         t0 = time.perf_counter()
         for step in range(args.steps):
             x = make_batch(step, args.batch, args.width, rank)
-            loss = train_step(model, opt, x, on_inputs=tracker.track_inputs)
+            loss = train_step(model, opt, x, on_inputs=tracker.track_inputs, keep_losses=kept)
             report = tracker.step()
+            if rank == 0 and report.leak is not None and report.leak.growing:
+                grows = ", ".join(f"{c} +{human_bytes(int(v))}/step" for c, v in report.leak.growing.items())
+                held = ", ".join(f"{m} {human_bytes(n)}" for m, n in report.leak.held.items())
+                print(f"[rank 0] LEAK: {grows}; still held at the step end by {held or '?'}", flush=True)
             if report.mode == "deep":
                 last_deep = report
             if rank == 0:
@@ -298,6 +309,8 @@ def add_demo_args(p: Any) -> None:
     p.add_argument("--blocks", type=int_at_least(1), default=4, help="residual blocks (default 4)")
     p.add_argument("--width", type=int_at_least(1), default=64, help="block width (default 64)")
     p.add_argument("--batch", type=int_at_least(1), default=32, help="batch size per rank (default 32)")
+    p.add_argument("--leak", action="store_true",
+                   help="leak on purpose, as the classic bug does: keep each step's loss with its graph")
     p.add_argument("--mode", choices=("light", "deep"), default=None,
                    help="tracker mode (default: FSDP_MEM_OTEL_MODE, else light)")
     p.add_argument("--deep-every", type=int_at_least(0), default=None,

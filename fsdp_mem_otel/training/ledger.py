@@ -125,9 +125,12 @@ class Ledger:
     """Live bytes per device and category, plus peaks for the step and for nested windows."""
 
     def __init__(self) -> None:
-        # id(storage) -> [device, category index, nbytes, weakref, block]; the weakref callback
-        # drops the entry; block is the allocator's rounding (512 on CUDA, else 1).
+        # id(storage) -> [device, category index, nbytes, weakref, block, owner]; the weakref
+        # callback drops the entry; block is the allocator's rounding (512 on CUDA, else 1);
+        # owner: the FSDP module whose saved tensors, inputs or outputs these are (or None)
         self._entries: dict[int, list[Any]] = {}
+        #: FSDP module -> bytes of the storages it owns (``track_new(..., owner=)``) alive now
+        self.owner_bytes: dict[str, int] = {}
         self._cur: RawBreakdown = {}
         self._step = _Window({})
         self._windows: list[_Window] = []
@@ -172,18 +175,19 @@ class Ledger:
             if t is not None:
                 self.track(t, category)
 
-    def track_new(self, t: torch.Tensor, category: str) -> None:
+    def track_new(self, t: torch.Tensor, category: str, owner: str | None = None) -> None:
         """Account ``t`` under ``category`` only if its storage is not known yet (the hot path
-        for saved activations: a known storage keeps its entry untouched)."""
+        for saved activations: a known storage keeps its entry untouched); ``owner``: the FSDP
+        module it belongs to, whose ``owner_bytes`` it counts in while alive."""
         cls = type(t)
         if (cls is torch.Tensor or cls is nn.Parameter) and t.layout is torch.strided:
             st = t.untyped_storage()
             if id(st) not in self._entries:
-                self._new_entry(st, INDEX[category])
+                self._new_entry(st, INDEX[category], None, owner)
             return
         for st in storages_of(t, self.fake_mode):
             if id(st) not in self._entries:
-                self._new_entry(st, INDEX[category])
+                self._new_entry(st, INDEX[category], None, owner)
 
     def knows(self, st: torch.UntypedStorage) -> bool:
         """Whether ``st`` has an entry (tracked, or ``hold``-ed at 0 bytes)."""
@@ -200,8 +204,7 @@ class Ledger:
         account, e.g. when deep mode hands back to light mode)."""
         entry = self._entries.get(id(st))
         if entry is not None and entry[2]:
-            self._add(entry[0], entry[1], -entry[2])
-            entry[2] = 0
+            self._resize(entry, 0)
 
     def track_storage(self, st: torch.UntypedStorage, category: str, recategorize: bool) -> None:
         entry = self._entries.get(id(st))
@@ -211,8 +214,7 @@ class Ledger:
             return
         n = rounded(st.nbytes(), entry[4])
         if n != entry[2]:
-            self._add(entry[0], entry[1], n - entry[2])
-            entry[2] = n
+            self._resize(entry, n)
         if recategorize and entry[1] != cat:
             self._relabel(entry, cat)
 
@@ -226,7 +228,8 @@ class Ledger:
         for st in storages:
             self.track_storage(st, category, True)
 
-    def _new_entry(self, st: torch.UntypedStorage, cat: int, nbytes: int | None = None) -> None:
+    def _new_entry(self, st: torch.UntypedStorage, cat: int, nbytes: int | None = None,
+                   owner: str | None = None) -> None:
         dev = st.device
         if dev.type == "meta" and self._fake_device is not None:  # a counted fake tensor's storage
             dev = self._fake_device
@@ -236,9 +239,19 @@ class Ledger:
         name, block = known
         key = id(st)
         n = rounded(st.nbytes(), block) if nbytes is None else nbytes
-        self._entries[key] = [name, cat, n, weakref.KeyedRef(st, self._on_free, key), block]
+        self._entries[key] = [name, cat, n, weakref.KeyedRef(st, self._on_free, key), block, owner]
         if n:
             self._add(name, cat, n)
+            if owner is not None:
+                self.owner_bytes[owner] = self.owner_bytes.get(owner, 0) + n
+
+    def _resize(self, entry: list[Any], n: int) -> None:
+        """An entry's storage now has ``n`` bytes."""
+        delta = n - entry[2]
+        self._add(entry[0], entry[1], delta)
+        entry[2] = n
+        if entry[5] is not None:
+            self.owner_bytes[entry[5]] += delta
 
     def _relabel(self, entry: list[Any], cat: int) -> None:
         device = entry[0]
@@ -247,6 +260,9 @@ class Ledger:
         cats[entry[1]] -= entry[2]
         cats[cat] += entry[2]
         entry[1] = cat
+        if entry[5] is not None:  # named by FSDP, the optimizer, the inputs: no module's anymore
+            self.owner_bytes[entry[5]] -= entry[2]
+            entry[5] = None
 
     def relabel_guess(self, t: torch.Tensor, category: str, guesses: frozenset[str]) -> None:
         """Account ``t`` under ``category`` unless it already holds a category outside ``guesses``.
@@ -271,8 +287,7 @@ class Ledger:
         if entry is not None:
             n = rounded(st.nbytes(), entry[4])
             if n != entry[2]:
-                self._add(entry[0], entry[1], n - entry[2])
-                entry[2] = n
+                self._resize(entry, n)
 
     def refresh_storages(self, storages: list[torch.UntypedStorage]) -> None:
         """``refresh_storage`` for each storage (an FSDP group's buffers after a reshard); the
@@ -286,6 +301,8 @@ class Ledger:
                 if n != entry[2]:
                     where = (entry[0], entry[1])
                     deltas[where] = deltas.get(where, 0) + n - entry[2]
+                    if entry[5] is not None:
+                        self.owner_bytes[entry[5]] += n - entry[2]
                     entry[2] = n
         for (device, cat), delta in deltas.items():
             if delta:
@@ -419,5 +436,7 @@ def _free_callback(entries: dict[int, list[Any]], ledger_ref: weakref.ref[Ledger
         ledger = ledger_ref()
         if ledger is not None and entry[2]:
             ledger._add(entry[0], entry[1], -entry[2])
+            if entry[5] is not None:
+                ledger.owner_bytes[entry[5]] -= entry[2]
 
     return on_free

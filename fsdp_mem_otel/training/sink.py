@@ -69,8 +69,11 @@ class Sink:
         self.forward_pending = False
         #: called with the exception when a forward raised (post-forward hooks without outputs)
         self.on_raising_forward: Callable[[BaseException], None] = _nothing
-        self.activations = SavedTensorAccounting(ledger, on_error)
-        self._recompute_activations = SavedTensorAccounting(ledger, on_error)
+        #: the FSDP modules whose forward runs now, innermost last: what they save, receive and
+        #: return is theirs (leak reports name them)
+        self.modules: list[str] = []
+        self.activations = SavedTensorAccounting(ledger, on_error, self.modules)
+        self._recompute_activations = SavedTensorAccounting(ledger, on_error, self.modules)
         self._forward_depth = 0  # nesting of FSDP forwards now running (outside backward)
         self._recompute_depth = 0  # nesting of FSDP forwards recomputed in backward
         #: seconds spent in on_state this step
@@ -81,6 +84,7 @@ class Sink:
         self.activations.pop()
         self._recompute_activations.pop()
         self._forward_depth = self._recompute_depth = 0
+        self.modules.clear()
         self.overhead = 0.0
 
     # -- states and windows ---------------------------------------------------------------------
@@ -97,21 +101,24 @@ class Sink:
         try:
             in_backward = _in_backward() != -1
             if in_backward and state in FORWARD_STATES:  # an activation-checkpoint recompute
-                self._recompute_state(state, tensors)
+                self._recompute_state(key, state, tensors)
             elif not in_backward:
                 if state == BEFORE_PRE_FORWARD:
                     self._forward_begins()
+                    self.modules.append(key)
                 elif tensors is not None:
                     if not self.deep and self._activations_on:
                         track_new = self.ledger.track_new
                         for t in tensors_in(tensors):
-                            track_new(t, ACTIVATION)
+                            track_new(t, ACTIVATION, key)
                 elif state in _POST_FORWARD:
                     self._note_raising_forward()
             self.recorder.on_state(key, state, in_backward, windowed)
             if state in _SAMPLED:
                 self._sample()
             if state == AFTER_POST_FORWARD and not in_backward:
+                if self.modules and self.modules[-1] == key:
+                    self.modules.pop()
                 self._forward_ends()
         except Exception as exc:  # noqa: BLE001
             self.report_error(exc)
@@ -148,21 +155,24 @@ class Sink:
         if exc is not None:
             self.on_raising_forward(exc)
 
-    def _recompute_state(self, state: str, tensors: object) -> None:
+    def _recompute_state(self, key: str, state: str, tensors: object) -> None:
         # An FSDP module recomputed inside a checkpointed region: checkpointing's own saved-tensor
         # hooks keep what it recomputes; ours chain to them to account it (light mode), and the
         # module's recomputed outputs count as they do in forward.
         if self.deep or not self._activations_on:
             return
         if state == BEFORE_PRE_FORWARD:
+            self.modules.append(key)
             self._recompute_depth += 1
             if self._recompute_depth == 1:
                 self._recompute_activations.push()
         elif state == AFTER_POST_FORWARD and self._recompute_depth > 0:  # always called, also when
             self._recompute_depth -= 1  # checkpointing stops the recompute early by raising
+            if self.modules and self.modules[-1] == key:
+                self.modules.pop()
             if tensors is not None:
                 for t in tensors_in(tensors):
-                    self.ledger.track_new(t, ACTIVATION)
+                    self.ledger.track_new(t, ACTIVATION, key)
             if self._recompute_depth == 0:
                 self._recompute_activations.pop()
 

@@ -36,6 +36,7 @@ from fsdp_mem_otel.training.allocator import AllocatorProbe
 from fsdp_mem_otel.training.compile_support import keep_out_of_dynamo
 from fsdp_mem_otel.training.containment import ErrorPolicy, StepAborts
 from fsdp_mem_otel.training.deep_steps import DeepSteps
+from fsdp_mem_otel.training.leaks import LeakWatch
 from fsdp_mem_otel.training.ledger import Ledger
 from fsdp_mem_otel.training.optimizers import OptimizerWatch, unwrap_optimizers
 from fsdp_mem_otel.training.recorder import StepContext, StepRecorder
@@ -96,6 +97,7 @@ class FSDPMemoryTracker:
         self._probe = AllocatorProbe(reset_peaks=config.reset_peaks)
         self._sink = Sink(self.ledger, self.recorder, self.report_error, self._probe.sample, config.activations)
         self._aborts = StepAborts(self.recorder, self.ledger, self._probe, self.report_error)
+        self._leaks = LeakWatch(config.leak_window)
         self._sink.on_raising_forward = self._aborts.record
         keep_out_of_dynamo()
         self._adapter = make_adapter(model, self._sink)
@@ -214,6 +216,7 @@ class FSDPMemoryTracker:
             self.recorder.close_open_windows()
             report.peak = self.ledger.step_peak()
             report.current = self.ledger.snapshot()
+            report.leak = self._leaks.observe(report.current, self.ledger.owner_bytes)
             report.allocator = self._probe.step_stats({d: c["total"] for d, c in report.current.items()})
             report.modules = self.recorder.modules
         except Exception as exc:  # noqa: BLE001

@@ -31,6 +31,7 @@ from fsdp_mem_otel.schema import (
     PEAK_BACKWARD,
     PEAK_FORWARD,
     STATES,
+    LeakReport,
     ModuleReport,
     StepAbort,
     StepReport,
@@ -79,8 +80,9 @@ def big_report(n_modules: int = 100) -> StepReport:
     alloc: dict[str, dict[str, float]] = {"cuda:0": {k: 1.0 for k in ALLOCATOR_KEYS if k != "resident_bytes"}, "cpu": {"resident_bytes": 1.0}}
     oom = StepAbort("OutOfMemoryError", "CUDA out of memory", True, keys[-1], "after_pre_forward", b,
                     outside_pytorch_bytes={"cuda:0": 1})
+    leak = LeakReport(growing={"activation": 128.0, "total": 128.0}, held={keys[-1]: 4096}, steps=12)
     return StepReport(step=1, rank=0, world_size=2, mode="light", fsdp_version=1, peak=b, modules=mods,
-                      module_order=keys, current=b, allocator=alloc, aborted=oom)
+                      module_order=keys, current=b, allocator=alloc, aborted=oom, leak=leak)
 
 
 def exposition(report: StepReport | None, identity: Identity = IDENTITY, detail: bool = False,
@@ -622,3 +624,13 @@ def test_sidecar_rewrites_at_most_every_interval_but_aborts_and_shutdown_at_once
     assert time.monotonic() - t0 < 5 and written() == 12
     with pytest.raises(ValueError, match="sidecar_interval_seconds"):
         PrometheusExporter(IDENTITY, http=False, sidecar_dir=tmp_path, sidecar_interval_seconds=-1)
+
+
+def test_a_leak_is_exported_by_category_and_holder() -> None:
+    text = exposition(big_report(4))
+    assert value(text, "fsdp_mem_leak_growth_bytes_per_step", category="activation") == 128.0
+    assert not [s for s in samples(text) if s.labels.get("category") == "inputs"
+                and s.name == "fsdp_mem_leak_growth_bytes_per_step"]  # only what grows
+    assert "fsdp_mem_leak_growth_bytes_per_step" not in exposition(small_report())
+    assert value(text, "fsdp_mem_step_end_held_bytes", module="layers.2") == 4096.0
+    promtool_check(text)

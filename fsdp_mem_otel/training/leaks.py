@@ -1,0 +1,65 @@
+"""Leak detection: what stays alive at the end of each step, and whether it grows.
+
+At every step end (after the optimizer step, where a healthy step holds no saved activation and
+no temporary), ``LeakWatch.observe`` gets the live breakdown and, from light mode's saved-tensor
+accounting, the bytes each FSDP module's saved tensors, inputs and outputs still hold. It keeps
+the last ``window`` step-end totals per category and calls a category growing when, over those
+steps (at least ``2 * min_steps`` of them), it never fell and rose at least ``min_steps`` times
+and at half the steps or more: a
+plateau after warm-up, the optimizer state created at step 1, a learning-rate warm-up that
+changes nothing in memory, never qualify; a graph kept alive every step (``losses.append(loss)``
+with ``retain_graph``), a list of each step's inputs, do, even every other step. The growth per
+step is the least-squares slope over the window. Plain Python: unit-tested without FSDP.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from fsdp_mem_otel.schema import CATEGORIES, TOTAL, DeviceBreakdown, LeakReport
+
+#: step ends in the window by default (FSDP_MEM_OTEL_LEAK_WINDOW)
+DEFAULT_WINDOW = 30
+#: consecutive rises that make a category growing
+DEFAULT_MIN_STEPS = 5
+#: modules named in a report, the largest holders first
+TOP_HOLDERS = 8
+
+
+class LeakWatch:
+    """Step-end totals per category over the last ``window`` steps; see the module docstring."""
+
+    def __init__(self, window: int = DEFAULT_WINDOW, min_steps: int = DEFAULT_MIN_STEPS) -> None:
+        if not isinstance(window, int) or isinstance(window, bool) or window < 4:
+            raise ValueError(f"window must be an int >= 4; got {window!r}")
+        if not isinstance(min_steps, int) or isinstance(min_steps, bool) or not 2 <= min_steps <= window // 2:
+            raise ValueError(f"min_steps must be an int from 2 to window / 2 ({window // 2}); got {min_steps!r}")
+        self.window = window
+        self.min_steps = min_steps
+        self._ends: deque[dict[str, int]] = deque(maxlen=window)
+
+    def observe(self, current: DeviceBreakdown, held: dict[str, int]) -> LeakReport | None:
+        """One step end: its live breakdown and the bytes each module's tensors still hold.
+        Returns what is growing and who holds what, or None when nothing is."""
+        totals = {c: sum(cats.get(c, 0) for cats in current.values()) for c in (*CATEGORIES, TOTAL)}
+        self._ends.append(totals)
+        growing = {c: slope for c in totals if (slope := self._growth(c)) > 0}
+        holders = {k: n for k, n in sorted(held.items(), key=lambda kv: -kv[1]) if n > 0}
+        if not growing and not holders:
+            return None
+        top = dict(list(holders.items())[:TOP_HOLDERS])
+        return LeakReport(growing=growing, held=top, held_elsewhere=sum(holders.values()) - sum(top.values()),
+                          steps=len(self._ends))
+
+    def _growth(self, category: str) -> float:
+        ys = [e[category] for e in self._ends]
+        steps = list(zip(ys, ys[1:], strict=False))
+        rises = sum(b > a for a, b in steps)
+        if (len(ys) < 2 * self.min_steps or rises < max(self.min_steps, len(steps) // 2)
+                or any(b < a for a, b in steps)):
+            return 0.0
+        n = len(ys)
+        mean_x, mean_y = (n - 1) / 2, sum(ys) / n
+        num = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(ys))
+        den = sum((x - mean_x) ** 2 for x in range(n))
+        return num / den
