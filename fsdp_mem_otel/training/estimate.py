@@ -25,7 +25,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -58,8 +58,9 @@ class EstimateConfig:
         wrap: ``"module:function"`` (or a callable) sharding the model with FSDP2, called as
             ``wrap(model, mesh=..., mp_policy=..., reshard_after_forward=...)`` (pass them on to
             ``fully_shard``) and returning the model (or None: the model it was given); None: the
-            built-in policy, ``fully_shard`` each module of the model's first ``nn.ModuleList``
-            (its blocks), then the root.
+            built-in policy, ``fully_shard`` each block (the modules of the model's first
+            ``nn.ModuleList`` or ``nn.ModuleDict``: torchtitan keeps its blocks in a ModuleDict), then
+            the root.
         loss: ``"module:function"`` (or a callable) ``loss(model, batch) -> scalar tensor``;
             None: ``model(batch).pow(2).mean()``.
         batch_shape: the input's shape per rank (None: ``(32, width)``, the demo model's only).
@@ -67,8 +68,10 @@ class EstimateConfig:
         world_size: ranks of the job; ``mesh``: (replicate, shard) for HSDP, product = world_size.
         param_dtype, reduce_dtype: FSDP2's MixedPrecisionPolicy (fp32/bf16/fp16; None: unset).
         reshard_after_forward: FSDP2's reshard policy. activation_checkpointing: wrap each block
-            (the modules of the model's first ``nn.ModuleList``) in ``checkpoint_wrapper``.
-        optimizer, lr: adamw (default), adam or sgd, and its learning rate.
+            (see ``wrap``) in ``checkpoint_wrapper``.
+        optimizer, lr: adamw (default), adam or sgd, and its learning rate; or ``"module:function"``
+            (or a callable) building the optimizer from the wrapped model, ``optimizer(model, lr=lr)``
+            (a framework's own: torchtitan's ``OptimizersContainer``, foreach AdamW, ...).
         warmup_steps: steps before the measured one (the first creates optimizer state).
         device: "cpu" (default; runs anywhere) or "cuda" (a visible GPU; nothing is allocated on it).
     """
@@ -86,7 +89,7 @@ class EstimateConfig:
     reduce_dtype: str | None = None
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
-    optimizer: str = "adamw"
+    optimizer: Factory = "adamw"
     lr: float = 1e-3
     warmup_steps: int = 1
     device: str = "cpu"
@@ -103,7 +106,9 @@ class EstimateConfig:
         _check_choice("input_dtype", self.input_dtype, INPUT_DTYPES)
         _check_choice("param_dtype", self.param_dtype, DTYPES, optional=True)
         _check_choice("reduce_dtype", self.reduce_dtype, DTYPES, optional=True)
-        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        if not callable(self.optimizer) and not (isinstance(self.optimizer, str) and ":" in self.optimizer):
+            _check_choice("optimizer", self.optimizer, [*OPTIMIZERS, "'module:function'"])
+        _check_factory("optimizer", self.optimizer if self.optimizer not in OPTIMIZERS else None)
         _check_choice("device", self.device, DEVICES)
         if isinstance(self.lr, bool) or not isinstance(self.lr, int | float) or not self.lr > 0:
             raise ValueError(f"lr must be a number > 0; got {self.lr!r}")
@@ -169,20 +174,27 @@ def demo_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return out.pow(2).mean()
 
 
-def blocks_of(model: nn.Module) -> nn.ModuleList:
-    """The model's blocks: its first ``nn.ModuleList`` (named_modules() order)."""
+def blocks_of(model: nn.Module) -> nn.ModuleList | nn.ModuleDict:
+    """The model's blocks: its first non-empty ``nn.ModuleList`` or ``nn.ModuleDict`` (named_modules()
+    order; torchtitan keeps its blocks in a ModuleDict)."""
     for m in model.modules():
-        if isinstance(m, nn.ModuleList) and len(m):
+        if isinstance(m, nn.ModuleList | nn.ModuleDict) and len(m):
             return m
-    raise ValueError(f"{type(model).__name__} has no nn.ModuleList of blocks: the built-in wrap policy and "
-                     "activation_checkpointing need one; pass wrap='module:function' (and checkpoint there)")
+    raise ValueError(f"{type(model).__name__} has no nn.ModuleList or nn.ModuleDict of blocks: the built-in wrap "
+                     "policy and activation_checkpointing need one; pass wrap='module:function' (and checkpoint there)")
+
+
+def _blocks(container: nn.ModuleList | nn.ModuleDict) -> list[tuple[str, nn.Module]]:
+    if isinstance(container, nn.ModuleDict):
+        return list(container.items())
+    return [(str(i), m) for i, m in enumerate(container)]
 
 
 def per_block_fsdp2(model: nn.Module, **fsdp_kwargs: Any) -> nn.Module:
     """The built-in wrap policy: ``fully_shard`` each block, then the root (like the demo's wrap)."""
     from torch.distributed.fsdp import fully_shard
 
-    for block in blocks_of(model):
+    for _, block in _blocks(blocks_of(model)):
         fully_shard(block, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)
     return model
@@ -193,8 +205,8 @@ def checkpoint_blocks(model: nn.Module) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     blocks = blocks_of(model)
-    for i, block in enumerate(blocks):
-        blocks[i] = checkpoint_wrapper(block)
+    for name, block in _blocks(blocks):
+        blocks.register_module(name, checkpoint_wrapper(block))
 
 
 def fsdp_kwargs(config: EstimateConfig, mesh: Any) -> dict[str, Any]:
@@ -233,7 +245,10 @@ def build(config: EstimateConfig, mesh: Any) -> tuple[nn.Module, torch.optim.Opt
         raise ValueError(FSDP1_UNSUPPORTED)
     if not any(isinstance(m, FSDPModule) for m in wrapped.modules()):
         raise ValueError(f"wrap {config.wrap!r} applied no FSDP2 (fully_shard) to the model")
-    return wrapped, OPTIMIZERS[config.optimizer](wrapped.parameters(), lr=config.lr)
+    if isinstance(config.optimizer, str) and config.optimizer in OPTIMIZERS:
+        return wrapped, OPTIMIZERS[config.optimizer](wrapped.parameters(), lr=config.lr)
+    factory = cast("str | Callable[..., Any]", config.optimizer)  # not None: EstimateConfig checked it
+    return wrapped, load_callable("optimizer", factory)(wrapped, lr=config.lr)
 
 
 def _raised_in_fsdp1(exc: BaseException) -> bool:
@@ -424,7 +439,7 @@ def estimate_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--width", type=int_at_least(1), default=64, help="demo model width (default 64)")
     p.add_argument("--wrap", default=None, metavar="MODULE:FUNCTION",
                    help="wrap(model, mesh=, mp_policy=, reshard_after_forward=) applying fully_shard (default: "
-                        "each module of the model's first nn.ModuleList, then the root)")
+                        "each module of the model's first nn.ModuleList or nn.ModuleDict, then the root)")
     p.add_argument("--loss", default=None, metavar="MODULE:FUNCTION",
                    help="loss(model, batch) -> scalar (default: model(batch).pow(2).mean())")
     p.add_argument("--batch-shape", type=_ints, default=None, metavar="B,...",
@@ -438,8 +453,9 @@ def estimate_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-reshard-after-forward", action="store_true",
                    help="keep parameters unsharded between forward and backward")
     p.add_argument("--activation-checkpointing", action="store_true",
-                   help="checkpoint_wrapper around each module of the model's first nn.ModuleList")
-    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS), help="default adamw")
+                   help="checkpoint_wrapper around each module of the model's first nn.ModuleList or nn.ModuleDict")
+    p.add_argument("--optimizer", default="adamw", metavar="|".join(sorted(OPTIMIZERS)) + "|MODULE:FUNCTION",
+                   help="default adamw; MODULE:FUNCTION builds it from the wrapped model: optimizer(model, lr=LR)")
     p.add_argument("--lr", type=float, default=1e-3, help="default 0.001")
     p.add_argument("--warmup-steps", type=int_at_least(0), default=1,
                    help="steps before the measured one (default 1: the first creates the optimizer state)")
