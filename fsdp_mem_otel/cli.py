@@ -1,4 +1,4 @@
-"""The ``fsdp-mem-otel`` command: demo | estimate | serve | rules | dashboards | report | compare (see ``USAGE``)."""
+"""The ``fsdp-mem-otel`` command: demo | estimate | run | serve | rules | dashboards | report | compare (``USAGE``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ USAGE = """usage: fsdp-mem-otel COMMAND [options]
 commands:
   demo    run a real 2-rank FSDP training on CPU with the tracker; print per-module tables
   estimate  a FSDP2 job's per-rank, per-module memory before launch (FakeTensorMode, no GPU)
+  run     run a training script unchanged with tracking attached to its FSDP model (torchrun: -m fsdp_mem_otel.run)
   serve   serve every rank's sidecar exposition files from one /metrics endpoint
   rules   write the Prometheus alert/recording rules, PrometheusRule and dashboard ConfigMaps
   dashboards  write the Grafana dashboards (JSON) built from the metric catalog
@@ -62,6 +63,12 @@ def estimate(argv: Sequence[str]) -> int:
     return estimate_main(argv)
 
 
+def run(argv: Sequence[str]) -> int:
+    from fsdp_mem_otel.run import main as run_main
+
+    return run_main(argv)
+
+
 def serve(argv: Sequence[str]) -> int:
     from fsdp_mem_otel.fleet.serve import serve_main
 
@@ -93,8 +100,8 @@ def compare(argv: Sequence[str]) -> int:
 
 
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
-    "demo": demo, "estimate": estimate, "serve": serve, "rules": rules, "dashboards": dashboards, "report": report,
-    "compare": compare,
+    "demo": demo, "estimate": estimate, "run": run, "serve": serve, "rules": rules, "dashboards": dashboards,
+    "report": report, "compare": compare,
 }
 
 

@@ -37,6 +37,9 @@ PY=${PYTHON:-python3}
 .venv-slim/bin/python -m pip install -q --upgrade pip
 .venv-slim/bin/python -m pip install -q .
 .venv-slim/bin/python -m pip install -q --force-reinstall --no-deps .  # this checkout's code
+# What tests/user_scripts/torchtitan_llama3.py needs beyond the above (torchtitan trains through its own
+# Trainer: triton, tensorboard, datasets; see the file for why --no-deps)
+.venv/bin/python -m pip install -q --no-deps -r tests/user_scripts/requirements-torchtitan-extra.txt
 # TypeScript and @grafana/schema (pinned in the lockfile) to type-check the dashboards.
 if command -v npm >/dev/null 2>&1; then
   npm ci --prefix tools/grafana-schema --no-audit --no-fund --silent

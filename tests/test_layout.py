@@ -19,7 +19,7 @@ ROOT = PACKAGE.parent
 SHARED = {"schema", "config", "env", "checks", "failures", "identity"}
 PARTS = {"training", "exporters", "fleet", "offline"}
 #: entry points that wire the parts together, and the package's own plumbing
-ENTRY = {"__init__", "__main__", "cli", "_moved", "integrations"}
+ENTRY = {"__init__", "__main__", "cli", "_moved", "integrations", "run", "bootstrap"}
 #: part -> the parts (besides itself and the shared vocabulary) it may import
 MAY_IMPORT = {
     "shared": set(),

@@ -31,6 +31,7 @@ _HOOK_MODULES = (
     "fsdp_mem_otel.training.compile_support",
     "fsdp_mem_otel.training.deep",
     "fsdp_mem_otel.integrations._session",
+    "fsdp_mem_otel.integrations.auto",
     "fsdp_mem_otel.training.ledger",
     "fsdp_mem_otel.training.optimizers",
     "fsdp_mem_otel.schema",

@@ -84,9 +84,21 @@ class OptimizerWatch:
         """Account the state there is and hook every optimizer's step (undone by ``detach``)."""
         self.track_state()
         for opt in self.optimizers:
-            self._handles.append(opt.register_step_pre_hook(self._on_pre))
-            self._handles.append(opt.register_step_post_hook(self._on_post))
-            self._handles.append(opt.register_load_state_dict_post_hook(self._state_replaced))
+            self._hook(opt)
+
+    def add(self, optimizers: list[torch.optim.Optimizer], attached: bool) -> None:
+        """Track ``optimizers`` too (those not tracked yet); hooked at once when ``attached``."""
+        new = [o for o in optimizers if all(o is not known for known in self.optimizers)]
+        self.optimizers.extend(new)
+        if attached and new:
+            self.track_state()
+            for opt in new:
+                self._hook(opt)
+
+    def _hook(self, opt: torch.optim.Optimizer) -> None:
+        self._handles.append(opt.register_step_pre_hook(self._on_pre))
+        self._handles.append(opt.register_step_post_hook(self._on_post))
+        self._handles.append(opt.register_load_state_dict_post_hook(self._state_replaced))
 
     def detach(self) -> None:
         for h in self._handles:

@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -43,6 +44,7 @@ from fsdp_mem_otel.training.recorder import StepContext, StepRecorder
 from fsdp_mem_otel.training.sink import Sink
 
 logger = logging.getLogger(__name__)
+_TRACKERS: weakref.WeakSet[FSDPMemoryTracker] = weakref.WeakSet()
 NOTHING_SHARDED = (
     "fsdp_mem_otel: the model's FSDP shards nothing: every shard group has one rank in a job of %d ranks, so "
     "each rank holds the whole model (check the mesh given to FSDP; Lightning's ModelParallelStrategy needs "
@@ -112,6 +114,7 @@ class FSDPMemoryTracker:
         self._owner_thread: int | None = None
         self._nothing_sharded = False
         self._start_step()
+        _TRACKERS.add(self)  # for attached_trackers()
 
     @classmethod
     def from_env(cls, model: nn.Module, optimizer: Any = None) -> FSDPMemoryTracker:
@@ -264,6 +267,10 @@ class FSDPMemoryTracker:
             if push:
                 acts.pop()
 
+    def add_optimizer(self, optimizer: Any) -> None:
+        """Also track ``optimizer`` (unwrapped as the constructor's): one found after attach."""
+        self._optimizers.add(unwrap_optimizers(optimizer), self.attached)
+
     def record_exception(self, exc: BaseException) -> None:
         """Mark the current step as stopped by ``exc`` (e.g. torch.OutOfMemoryError).
 
@@ -294,6 +301,7 @@ class FSDPMemoryTracker:
 
     # -- state: errors (exporters' included), self-disabling, deep steps skipped by reason, the
     # tracked FSDP modules' keys (named_modules() order), the torch optimizers behind what was passed
+    # (``optimizer``: the first of them, the only one unless a container was passed, or None)
     errors_total = property(lambda self: self._errors.total)
     failures: FailureLog = property(lambda self: self._errors.failures)  # type: ignore[assignment]
     disabled = property(lambda self: self._errors.disabled)
@@ -301,17 +309,19 @@ class FSDPMemoryTracker:
     module_keys = property(lambda self: self._adapter.module_keys())
     fsdp_version = property(lambda self: self._adapter.fsdp_version)
     optimizers = property(lambda self: self._optimizers.optimizers)
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer | None:
-        """The first of ``optimizers`` (the only one, unless a container was passed), or None."""
-        return self._optimizers.optimizers[0] if self._optimizers.optimizers else None
+    optimizer = property(lambda self: next(iter(self._optimizers.optimizers), None))
 
     @property
     def warnings(self) -> list[str]:
         """What is wrong with the setup being measured (``schema.WARNINGS``), as in each report."""
         return ([WARNING_OPTIMIZER_NO_STATE] if self._optimizers.no_state else []) + (
             [WARNING_NOTHING_SHARDED] if self._nothing_sharded else [])
+
+
+def attached_trackers() -> list[FSDPMemoryTracker]:
+    """Every tracker of this process that is attached now (``fsdp_mem_otel.run`` leaves a model
+    that the training's own tracker measures to that one)."""
+    return [t for t in list(_TRACKERS) if t.attached]
 
 
 def _checked(model: nn.Module, mode: str | None, deep_every: int | None, config: TrackerConfig | None,

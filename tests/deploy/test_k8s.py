@@ -154,6 +154,16 @@ def test_training_container_gets_identity_from_the_downward_api() -> None:
     assert train["command"][0] == "torchrun"
 
 
+def test_the_pod_template_turns_tracking_on_through_the_launcher() -> None:
+    """The fleet way: the job's script runs unchanged under ``-m fsdp_mem_otel.run`` (a module
+    this package has, with the ``run`` entry tests/integrations/test_launcher.py trains through)."""
+    import importlib.util
+
+    train = next(c for c in _pod()["spec"]["containers"] if c["name"] == "pytorch")
+    assert train["command"] == ["torchrun", "-m", "fsdp_mem_otel.run", "/app/train.py"]
+    assert importlib.util.find_spec("fsdp_mem_otel.run") is not None
+
+
 RANK_DIR = "/fsdp-mem-otel/ranks"
 
 
