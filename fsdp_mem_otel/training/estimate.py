@@ -427,6 +427,7 @@ def estimate_main(argv: Sequence[str] | None = None) -> int:
 
     from fsdp_mem_otel.checks import int_at_least
     from fsdp_mem_otel.offline.table import module_table, peak_table
+    from fsdp_mem_otel.training.estimate_fit import add_fit_arguments, fit_mode_errors, run_fit_mode
 
     p = argparse.ArgumentParser(
         prog="fsdp-mem-otel estimate",
@@ -465,7 +466,10 @@ def estimate_main(argv: Sequence[str] | None = None) -> int:
                    help="write the estimate's StepReport for compare, report and FSDP_MEM_OTEL_ESTIMATE")
     p.add_argument("--world-sizes", type=_ints, default=None, metavar="N,...",
                    help="also estimate at these world sizes and print bytes per rank for each")
+    add_fit_arguments(p)  # --fit, --compare-options: estimate_fit.py
     args = p.parse_args(argv)
+    if (wrong := fit_mode_errors(args)) is not None:
+        p.error(wrong)
     try:
         config = EstimateConfig(
             model=args.model, blocks=args.blocks, width=args.width, wrap=args.wrap, loss=args.loss,
@@ -474,6 +478,8 @@ def estimate_main(argv: Sequence[str] | None = None) -> int:
             reshard_after_forward=not args.no_reshard_after_forward,
             activation_checkpointing=args.activation_checkpointing, optimizer=args.optimizer, lr=args.lr,
             warmup_steps=args.warmup_steps, device=args.device)
+        if args.fit is not None or args.compare_options:
+            return run_fit_mode(args, config)
         print(f"estimating world size {config.world_size} ...", file=sys.stderr, flush=True)
         report = estimate(config)
         rows = []
