@@ -19,6 +19,15 @@ What the page shows (each chart is a function taking StepReports, so tests feed 
 * :func:`heatmap_figure` - rank x module, each module's peak (largest total over its states and
   calls) at the highest-peak step and at the selected step, same step number on every rank.
 * :func:`skew_figure` - per step, max - min of the step peak across ranks.
+* Leaks (``trends.find_leaks``, drawn by ``trends_html.leak_section``): per rank, the categories
+  whose step-end bytes keep growing (the tracker's detector rule replayed on the file's own
+  figures, so older files get the same answer), by how many bytes per step (least squares, beside
+  the tracker's own figure), since which step, and the modules holding bytes at the last step's
+  end; else "No leak found over N steps".
+* Forecast (``trends.forecast``, ``trends_html.forecast_section``): per rank, the steady growth per
+  hour of the step-end and step-peak totals over the last hour (as the FsdpMemCapacityForecast
+  rule) and the hours until the device's capacity, or ``--capacity SIZE``; "flat: no forecast"
+  where nothing grows steadily (a jump at step 1, a warm-up that levels off).
 
 Downsampling (:func:`downsample`): a per-step series with at most ``max_points`` steps (default
 2000) is drawn whole. A longer one is cut into ``max_points`` equal runs of consecutive steps;
@@ -58,14 +67,17 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fsdp_mem_otel.checks import int_at_least
+from fsdp_mem_otel.offline import trends as trends_mod
 from fsdp_mem_otel.offline.jsonl_format import Progress, main_device, quiet, rotated_files, step_peak
 from fsdp_mem_otel.offline.run_index import RunIndex, StepSeries, scan_files
+from fsdp_mem_otel.offline.trends import RankTrend, TrendBuilder
+from fsdp_mem_otel.offline.trends_html import Section, forecast_section, leak_section
 from fsdp_mem_otel.schema import CATEGORIES, FORWARD_PASS_STATES, STATES, TOTAL, StepReport
 
 if TYPE_CHECKING:
@@ -90,7 +102,7 @@ _PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
 _FWD = FORWARD_PASS_STATES
 
 __all__ = ["RunIndex", "build_report", "downsample", "fleet_figure", "main_device", "render_html", "report_main",
-           "scan_files", "step_figure", "step_peak", "write_report"]
+           "scan_files", "scan_run", "step_figure", "step_peak", "write_report"]
 
 
 def _plotly() -> Any:
@@ -544,12 +556,18 @@ class Report:
     figures: list[tuple[str, str, go.Figure]]  # (id, caption, figure)
     summary: list[tuple[str, str]]
     aborted: list[tuple[int, str]]  # (rank, text)
+    #: the leak and forecast sections (``trends_html``), between the summary and the charts
+    sections: list[Section] = field(default_factory=list)
 
 
 def build_report(index: RunIndex, *, step: int | None = None, rank: int | None = None,
                  max_points: int = DEFAULT_MAX_POINTS, progress: Progress = quiet,
-                 max_ranks: int = DEFAULT_MAX_RANKS) -> Report:
-    """All figures of the page (see the module doc)."""
+                 max_ranks: int = DEFAULT_MAX_RANKS, trends: dict[int, RankTrend] | None = None,
+                 capacity: int | None = None) -> Report:
+    """All figures of the page (see the module doc). ``trends``: each rank's step-level figures
+    over time (:func:`scan_run`; default: from the complete reports of ``RunIndex.of``), for the
+    leak and forecast sections; ``capacity``: bytes to forecast against on every rank (default:
+    each CUDA device's own)."""
     sel = select_steps(index, step, rank)
     unit = pick_unit(_max_plotted(index))
     tunit = pick_unit(_max_tracked(index))  # module views and heatmaps: no allocator lines there
@@ -611,7 +629,24 @@ def build_report(index: RunIndex, *, step: int | None = None, rank: int | None =
     ]
     if index.duplicates:
         summary.append(("duplicates", f"{index.duplicates} (rank, step) reports seen twice; the later one kept"))
-    return Report(figures, summary, aborted)
+    sections = trend_sections(index, trends, capacity, progress)
+    summary += [(s.id, s.summary) for s in sections if s.summary]
+    return Report(figures, summary, aborted, sections)
+
+
+def trend_sections(index: RunIndex, trends: dict[int, RankTrend] | None, capacity: int | None,
+                   progress: Progress = quiet) -> list[Section]:
+    """The leak and forecast sections (none where the run's trends are not at hand)."""
+    if trends is None:
+        complete = [r for s in index.series.values() for r in s.complete.values()]
+        if len(complete) != index.reports_total:
+            return []
+        trends = TrendBuilder.of(complete)
+    progress("looking for leaks and fitting forecasts")
+    ranks = [rk for rk in index.ranks if rk in trends]
+    leaks = leak_section([trends_mod.find_leaks(trends[rk]) for rk in ranks], trends, CATEGORY_COLORS)
+    forecasts = [trends_mod.forecast(trends[rk], index.device(rk), capacity) for rk in ranks]
+    return [leaks, forecast_section(forecasts, trends, capacity_given=capacity)]
 
 
 def _rank_list(ranks: list[int]) -> str:
@@ -638,6 +673,10 @@ table.summary td:first-child { color: #666; }
 section { margin-top: 28px; }
 p.caption { color: #555; margin: 4px 0; }
 ul.aborted { color: #b00; }
+table.trend { border-collapse: collapse; margin: 8px 0; }
+table.trend th, table.trend td { border-bottom: 1px solid #ddd; padding: 3px 12px 3px 0; text-align: left; }
+p.leak { color: #b00; font-weight: 600; }
+p.ok { color: #1a7f37; }
 """
 
 
@@ -664,6 +703,13 @@ def render_html(report: Report, title: str = "FSDP memory report", extra_html: s
         if len(report.aborted) > len(shown):
             parts.append(f"<li>... and {len(report.aborted) - len(shown)} more (all marked in the charts)</li>")
         parts.append("</ul></section>")
+    for sec in report.sections:
+        parts.append(f'<section id="{sec.id}"><h2>{html.escape(sec.title)}</h2>{sec.html}')
+        for fid, caption, fig in sec.figures:
+            div = pio.to_html(fig, include_plotlyjs=False, full_html=False, div_id=f"fig-{fid}",
+                              config=_PLOTLY_CONFIG)
+            parts.append(f'<p class="caption">{html.escape(caption)}</p>{div}')
+        parts.append("</section>")
     for fid, caption, fig in report.figures:
         div = pio.to_html(fig, include_plotlyjs=False, full_html=False, div_id=f"fig-{fid}", config=_PLOTLY_CONFIG)
         parts.append(f'<section id="{fid}"><p class="caption">{html.escape(caption)}</p>{div}</section>')
@@ -671,17 +717,27 @@ def render_html(report: Report, title: str = "FSDP memory report", extra_html: s
     return "\n".join(parts)
 
 
+def scan_run(paths: Sequence[str], progress: Progress = quiet) -> tuple[RunIndex, dict[int, RankTrend]]:
+    """:func:`scan_files`, and from the same reading each rank's step-level figures over time
+    (``trends.RankTrend``: step-end bytes, timestamps, leak reports) for the leak and forecast sections."""
+    trends = TrendBuilder()
+    index = scan_files(paths, progress, observe=trends.add)
+    return index, trends.build()
+
+
 def write_report(paths: Sequence[str], out: str, *, step: int | None = None, rank: int | None = None,
                  max_points: int = DEFAULT_MAX_POINTS, progress: Progress = quiet,
-                 baseline: Sequence[str] | None = None, max_ranks: int = DEFAULT_MAX_RANKS) -> int:
+                 baseline: Sequence[str] | None = None, max_ranks: int = DEFAULT_MAX_RANKS,
+                 capacity: int | None = None) -> int:
     """Read ``paths``, write the page to ``out`` (parents created); returns its size in bytes.
     ``baseline``: another run's (or an estimate's) JSONL, compared with this run in a section
-    (``fsdp_mem_otel.offline.compare``; rank ``rank`` or 0, step ``step`` or each run's last deep step)."""
-    index = scan_files(paths, progress)
+    (``fsdp_mem_otel.offline.compare``; rank ``rank`` or 0, step ``step`` or each run's last deep step).
+    ``capacity``: bytes the forecast section forecasts against (default: each CUDA device's own)."""
+    index, trends = scan_run(paths, progress)
     progress(f"read {index.reports_total} step reports of {len(index.ranks)} ranks "
              f"({sum(s.nbytes for s in index.series.values()) / 1e6:.1f} MB of step series)")
     report = build_report(index, step=step, rank=rank, max_points=max_points, progress=progress,
-                          max_ranks=max_ranks)
+                          max_ranks=max_ranks, trends=trends, capacity=capacity)
     extra = ""
     if baseline:
         from fsdp_mem_otel.offline.compare import compare, load_profile, render_html_section
@@ -708,6 +764,14 @@ _positive = int_at_least(1)
 _non_negative = int_at_least(0)
 
 
+def _size(text: str) -> int:
+    """An argparse ``type``: a byte count such as 80GiB (``trends.parse_size``)."""
+    try:
+        return trends_mod.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def report_main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="fsdp-mem-otel report",
@@ -731,6 +795,10 @@ def report_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--baseline", nargs="+", metavar="BASE.jsonl", default=None,
                    help="another run's (or an estimate's) JSONL: a section says what grew from it to this run, "
                         "per category and per module (as `fsdp-mem-otel compare`)")
+    p.add_argument("--capacity", type=_size, default=None, metavar="SIZE",
+                   help="forecast when each rank reaches this many bytes (80GiB, 80GB = 10^9 bytes, or a byte "
+                        "count): for a CPU run, or what-if on another GPU (default: each CUDA device's total "
+                        "memory; none on CPU)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     args = p.parse_args(argv)
     for path in [*args.paths, *(args.baseline or [])]:
@@ -760,7 +828,7 @@ def report_main(argv: Sequence[str] | None = None) -> int:
             warnings.simplefilter("always", RuntimeWarning)
             size = write_report(args.paths, args.output, step=args.step, rank=args.rank,
                                 max_points=args.max_points, progress=progress, baseline=args.baseline,
-                                max_ranks=args.max_ranks)
+                                max_ranks=args.max_ranks, capacity=args.capacity)
         for w in caught[:20]:
             print(f"fsdp-mem-otel report: warning: {w.message}", file=sys.stderr)
         if len(caught) > 20:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -251,10 +251,12 @@ class RunIndex:
         return report
 
 
-def scan_files(paths: Sequence[str], progress: Progress = quiet, workers: int | None = None) -> RunIndex:
+def scan_files(paths: Sequence[str], progress: Progress = quiet, workers: int | None = None,
+               observe: Callable[[StepReport], None] | None = None) -> RunIndex:
     """Read the step-level fields of every report in ``paths`` (each with its rotated
     predecessors, oldest first) into a RunIndex, one file at a time (``jsonl_format.scan``:
-    errors, warnings and the side index are as described there)."""
+    errors, warnings and the side index are as described there). ``observe``: called with each
+    report as it is read (other figures gathered in the same pass)."""
     builders: dict[int, _SeriesBuilder] = {}
     files: list[str] = []
     for scanned in scan(paths, progress, workers):
@@ -265,4 +267,6 @@ def scan_files(paths: Sequence[str], progress: Progress = quiet, workers: int | 
             if b is None:
                 b = builders[r.rank] = _SeriesBuilder(r.rank, keep_complete=False)
             b.add(r, (f, start, end))
+            if observe is not None:
+                observe(r)
     return RunIndex._built(builders, files)
