@@ -79,12 +79,20 @@ REC_JOB_DEVICE_RATIO = "namespace_job_name:fsdp_mem_step_peak_bytes:device_total
 REC_JOB_LAST_STEP = "namespace_job_name:fsdp_mem_last_step_timestamp_seconds:min"
 #: the largest tracker overhead over step time among the job's ranks
 REC_JOB_OVERHEAD = "namespace_job_name:fsdp_mem_step_overhead_seconds:max_ratio"
+#: per job x category: the fastest-growing rank's leak growth, bytes per step (only while one grows)
+REC_JOB_CATEGORY_LEAK = "namespace_job_name_category:fsdp_mem_leak_growth_bytes_per_step:max"
+#: per rank x CUDA device: hours until the step peak or the step-end bytes reach the device's
+#: capacity at their steady growth over ``RuleConfig.forecast_window`` (see ``forecast_expression``)
+REC_RANK_HOURS = "namespace_job_name_rank_device:fsdp_mem_hours_to_capacity:predict_linear"
+#: ... and per job, its first rank to get there
+REC_JOB_HOURS = "namespace_job_name:fsdp_mem_hours_to_capacity:min"
 RECORDING_NAMES: tuple[str, ...] = (REC_RANK_PEAK, REC_JOB_PEAK_MAX, REC_JOB_PEAK_MIN, REC_JOB_RANK_SKEW,
                                     REC_DEVICE_RATIO, REC_JOB_CATEGORY_PEAK, REC_JOB_CATEGORY_PEAK_MIN,
                                     REC_JOB_CATEGORY_CURRENT, REC_JOB_MODULE_PEAK, REC_JOB_MODULE_PEAK_RANK,
                                     REC_JOB_MODULE_SKEW, REC_JOB_MODULE_FORWARD, REC_JOB_RANKS, REC_JOB_STALE,
                                     REC_JOB_OOMS, REC_JOB_RETRIES, REC_JOB_ERRORS, REC_JOB_HEADROOM,
-                                    REC_JOB_RESIDENT, REC_JOB_DEVICE_RATIO, REC_JOB_LAST_STEP, REC_JOB_OVERHEAD)
+                                    REC_JOB_RESIDENT, REC_JOB_DEVICE_RATIO, REC_JOB_LAST_STEP, REC_JOB_OVERHEAD,
+                                    REC_JOB_CATEGORY_LEAK, REC_RANK_HOURS, REC_JOB_HOURS)
 #: labels a job x module series keeps
 MODULE = (*JOB, "module", "phase")
 #: every recorded series and the labels it keeps (dashboards read these for fleet-wide panels)
@@ -96,6 +104,7 @@ RECORDED_LABELS: dict[str, tuple[str, ...]] = {
     REC_JOB_MODULE_FORWARD: (*JOB, "module"), REC_JOB_RANKS: JOB, REC_JOB_STALE: JOB, REC_JOB_OOMS: JOB,
     REC_JOB_RETRIES: JOB, REC_JOB_ERRORS: (*JOB, "component"), REC_JOB_HEADROOM: JOB, REC_JOB_RESIDENT: JOB,
     REC_JOB_DEVICE_RATIO: JOB, REC_JOB_LAST_STEP: JOB, REC_JOB_OVERHEAD: JOB,
+    REC_JOB_CATEGORY_LEAK: (*JOB, "category"), REC_RANK_HOURS: (*RANK, "device"), REC_JOB_HOURS: JOB,
 }
 
 _DURATION_RE = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
@@ -140,6 +149,18 @@ class RuleConfig:
     #: FsdpMemTrackerErrors / FsdpMemSidecarReadErrors: errors within this window
     errors_window: str = "15m"
     errors_for: str = "5m"
+    #: FsdpMemLeak: the tracker reported a category growing by more than this many bytes per step
+    #: (fsdp_mem_leak_growth_bytes_per_step) within the last ``leak_lookback`` (which bridges the
+    #: steps where its detector paused), for ``leak_for``
+    leak_min_bytes_per_step: float = 1024.0
+    leak_lookback: str = "2m"
+    leak_for: str = "10m"
+    #: FsdpMemCapacityForecast and the hours-to-capacity recording rules: fitted over
+    #: ``forecast_window`` (growing in both its halves), a rank's step peak or step-end bytes reach
+    #: its CUDA device's capacity within ``forecast_hours``, for ``forecast_for``
+    forecast_window: str = "1h"
+    forecast_hours: float = 6.0
+    forecast_for: str = "15m"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -153,6 +174,8 @@ class RuleConfig:
             raise ValueError(f"capacity_ratio is a ratio (e.g. 0.92); got {self.capacity_ratio!r}")
         if not self.imbalance_percent < 100:
             raise ValueError(f"imbalance_percent must be below 100; got {self.imbalance_percent!r}")
+        if not float(_seconds(self.forecast_window)) >= 2:
+            raise ValueError(f"forecast_window must be 2s or longer; got {self.forecast_window!r}")
 
 
 def _by(labels: Sequence[str]) -> str:
@@ -163,11 +186,18 @@ def _num(x: float) -> str:
     return f"{x:g}"
 
 
-def recording_rules() -> list[dict[str, Any]]:
+def _exact(x: float) -> str:
+    """``x`` without rounding (a byte count: 1048576, not 1.04858e+06)."""
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def recording_rules(cfg: RuleConfig | None = None) -> list[dict[str, Any]]:
     """Recording rules: cheap per-rank / per-job step peaks, rank skew, device capacity used, and
     the fleet's pre-aggregation: per job x category and per job x module (max over ranks, the
     rank holding it, the ranks' skew), so that fleet panels read one series per job or module
-    instead of one per rank."""
+    instead of one per rank; leak growth per job x category; hours to device capacity per rank
+    and per job (``forecast_expression``)."""
+    c = cfg or RuleConfig()
     peak_total = cat.selector(cat.STEP_PEAK_BYTES, category="total")
     device_total = cat.selector(cat.DEVICE_TOTAL_BYTES)
     module_peak = cat.MODULE_PEAK_BYTES.name
@@ -199,7 +229,57 @@ def recording_rules() -> list[dict[str, Any]]:
                      f"/ ({REC_JOB_MODULE_PEAK} > 0)\n"),
         },
         *_job_rules(),
+        {"record": REC_JOB_CATEGORY_LEAK,
+         "expr": f"max by ({_by((*JOB, 'category'))}) ({cat.LEAK_GROWTH.name})"},
+        {"record": REC_RANK_HOURS, "expr": forecast_expression(c)},
+        {"record": REC_JOB_HOURS, "expr": f"min by ({_by(JOB)}) ({REC_RANK_HOURS})"},
     ]
+
+
+def forecast_expression(c: RuleConfig) -> str:
+    """Per rank x CUDA device: in how many hours the step peak, or the step-end bytes, reach the
+    device's capacity (``fsdp_mem_device_total_bytes``), the sooner of the two.
+
+    For each series ``s`` (category total): the least-squares line over ``forecast_window``
+    (``predict_linear(s[w], 0)``, where it stands now, and ``deriv(s[w])``, its slope) meets the
+    capacity after ``(capacity - predict_linear(s[w], 0)) / deriv(s[w])`` seconds (0 once past it).
+    Only steady growth counts: ``s`` grew over the window and over each of its halves, and it was
+    already there a whole window ago. So a jump (the optimizer state created at step 1, a restart)
+    gives no series (it lies in one half only), nor does a warm-up shorter than half a window that
+    levelled off, and a job younger than the window has none yet. No capacity (CPU ranks, a rank
+    that stopped reporting) or no growth: no series."""
+    w, half = c.forecast_window, _half(c.forecast_window)
+    per = _by((*RANK, "device"))
+    on = f"on ({per})"
+    capacity = f"max by ({per}) ({cat.selector(cat.DEVICE_TOTAL_BYTES)} > 0)"
+
+    def one(metric: cat.Metric, series: str) -> str:
+        s = f'{metric.name}{{category="total",device=~"cuda.*"}}'
+        hours = (f"clamp_min(\n  (\n    {capacity}\n    - {on}\n"
+                 f"    max by ({per}) (predict_linear({s}[{w}], 0))\n  )\n"
+                 f"  / {on}\n  (max by ({per}) (deriv({s}[{w}])) > 0)\n  / 3600,\n  0\n)\n")
+        steady = (f"and {on}\nmax by ({per}) (deriv({s}[{half}])) > 0\n"
+                  f"and {on}\nmax by ({per}) (deriv({s}[{half}] offset {half})) > 0\n"
+                  f"and {on}\nmax by ({per}) ({s} offset {w})\n")
+        return f'label_replace(\n{_indent(hours + steady)}  , "series", "{series}", "", ""\n)\n'
+
+    return (f"min by ({per}) (\n{_indent(one(cat.STEP_PEAK_BYTES, 'step_peak'))}or\n"
+            f"{_indent(one(cat.CURRENT_BYTES, 'step_end'))})\n")
+
+
+def leak_expression(c: RuleConfig) -> str:
+    """Per rank x category: the tracker's leak growth (bytes per step) at its largest over the last
+    ``leak_lookback``, above ``leak_min_bytes_per_step``. The gauge exists only while the tracker's
+    detector calls the category growing, so the lookback bridges the steps where it paused. A
+    rank's ``total`` counts only when none of its categories does (it grows with them)."""
+    growth = cat.LEAK_GROWTH.name
+    per = _by((*RANK, "category"))
+
+    def part(matcher: str) -> str:
+        return (f"max by ({per}) (max_over_time({growth}{{{matcher}}}[{c.leak_lookback}]))\n"
+                f"> {_exact(c.leak_min_bytes_per_step)}\n")
+
+    return part('category!="total"') + f"or on ({_by(RANK)})\n" + part('category="total"')
 
 
 def _per_rank(metric: str, *by: str) -> str:
@@ -289,6 +369,36 @@ def alert_rules(cfg: RuleConfig | None = None) -> list[dict[str, Any]]:
             "fragmentation (fsdp_mem_allocator_fragmentation_ratio). Reduce micro-batch size or sequence "
             "length, enable activation checkpointing, reshard_after_forward=True, or CPU offload of "
             "optimizer state; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation.",
+        ),
+        _alert(
+            "FsdpMemLeak",
+            leak_expression(c),
+            c.leak_for, "warning",
+            f"{{{{ $labels.category }}}} memory of {rank} grows every step",
+            f"The tracker of {rank} reports its {{{{ $labels.category }}}} bytes at the step end growing by "
+            f"{{{{ $value | humanize1024 }}}}B per step (they never fell and rose at half of its last steps or "
+            f"more; threshold {_exact(c.leak_min_bytes_per_step)} bytes per step), for over {c.leak_for}: "
+            "tensors outlive the step they were made in, and the rank runs out of memory in the end.",
+            "fsdp_mem_step_end_held_bytes (job drill-down, Leaks row) names the FSDP modules whose saved "
+            "tensors, inputs or outputs are still alive after the optimizer step. Usual cause: something keeps "
+            "a tensor and its autograd graph across steps: losses or outputs appended to a list for logging "
+            "(keep loss.item() or loss.detach()), inputs kept for later, a cache keyed by step, "
+            "backward(retain_graph=True). FsdpMemCapacityForecast and the hours-to-capacity panels say when "
+            "the device fills.",
+        ),
+        _alert(
+            "FsdpMemCapacityForecast",
+            f"{REC_RANK_HOURS} < {_num(c.forecast_hours)}\n",
+            c.forecast_for, "warning",
+            f"{rank} reaches its device's capacity within {_num(c.forecast_hours)}h",
+            f"The step peak or step-end bytes of {rank} on {{{{ $labels.device }}}} have grown steadily over the "
+            f"last {c.forecast_window}; at that rate they reach the device's memory in "
+            f"{{{{ $value | printf \"%.1f\" }}}} hours (threshold {_num(c.forecast_hours)}h).",
+            "A steady growth of a training job's memory is a leak: see FsdpMemLeak and the job drill-down's "
+            "Leaks row (fsdp_mem_leak_growth_bytes_per_step by category, fsdp_mem_step_end_held_bytes by "
+            "module). Fix it, or checkpoint and restart before the forecast runs out. Growth that levels off "
+            "by itself (a warm-up longer than half the forecast window, a cache that fills) only needs a longer "
+            "--forecast-window.",
         ),
         _alert(
             "FsdpMemAllocRetries",
@@ -461,6 +571,15 @@ def _lost_alerts(c: RuleConfig) -> list[dict[str, Any]]:
     ]
 
 
+def _half(duration: str) -> str:
+    """Half of a Prometheus duration, in seconds (or milliseconds)."""
+    ms = round(float(_seconds(duration)) * 1000) // 2
+    for unit, size in (("h", 3_600_000), ("m", 60_000), ("s", 1000), ("ms", 1)):
+        if ms % size == 0:
+            return f"{ms // size}{unit}"
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 def _indent(text: str) -> str:
     return "".join("  " + line + "\n" for line in text.splitlines())
 
@@ -476,7 +595,7 @@ def _seconds(duration: str) -> str:
 def rule_groups(cfg: RuleConfig | None = None) -> list[dict[str, Any]]:
     """The ``groups`` of a Prometheus rules file (recording rules first: alerts read them)."""
     return [
-        {"name": "fsdp-mem-otel.recording", "rules": recording_rules()},
+        {"name": "fsdp-mem-otel.recording", "rules": recording_rules(cfg)},
         {"name": "fsdp-mem-otel.alerts", "rules": alert_rules(cfg)},
     ]
 

@@ -4,13 +4,16 @@ Three dashboards, all on one Prometheus data source chosen by the ``datasource``
 
 - **Fleet overview** (``fleet-overview.json``): every job; step peak per job (largest and
   smallest rank); headroom to device capacity; OOMs and allocator retries; jobs whose step peak
-  grew against an earlier window; tracker health. Every panel reads the recording rules' per-job
-  series (``alerts.recording_rules``), so its cost does not grow with a job's ranks or modules.
+  grew against an earlier window; leak growth per job and category, and hours until each job's
+  first rank fills its device at its steady growth (``alerts.forecast_expression``); tracker
+  health. Every panel reads the recording rules' per-job series (``alerts.recording_rules``), so
+  its cost does not grow with a job's ranks or modules.
 - **Job drill-down** (``job-drilldown.json``): one job; step peak by category and per-module
   forward/backward peaks over all ranks (recorded job x category and job x module series: the
   largest rank, the rank holding it, the skew); per-rank series for the panels drawn per rank; a
   rank's own categories and modules for the ranks picked in ``$inspect`` (no All); rank skew;
-  step-over-step trend.
+  step-over-step trend; leaks (growth per category, bytes held at the step end per module, hours
+  to device capacity per rank).
 - **Allocator correlation** (``allocator-correlation.json``): a row per rank picked in ``$rank``
   (no All), what the tracker counts next to what the device allocator reports (allocated,
   reserved, untracked, fragmentation, retries), with the FSDP categories on the same time axis.
@@ -22,10 +25,13 @@ Every metric name comes from ``catalog`` (``Metric.name``), and every label a qu
 checked against the metric's catalog labels when the dashboards are built, so a rename in the
 catalog either flows through or fails the build.
 
-Queries that only CUDA devices can answer (allocator statistics) are built with
-``Query(cuda_only=True)``; ``Dashboard.cuda_only`` lists them, and the live-Prometheus test allows
-exactly those to return nothing on a CPU-only run. Where a CPU run has a meaningful stand-in (host
-resident bytes instead of device headroom), the query falls back with PromQL ``or`` instead.
+Queries that only CUDA devices can answer (allocator statistics, hours to device capacity) are built
+with ``Query(cuda_only=True)``; ``Dashboard.cuda_only`` lists them, and the live-Prometheus test allows
+exactly those to return nothing on a CPU-only run. Likewise ``Query(leak_only=True)``
+(``Dashboard.leak_only``): the leak series, which the tracker exports only while a category grows
+or a module holds tensors at the step end, so a healthy job leaves them empty. Where a CPU run has
+a meaningful stand-in (host resident bytes instead of device headroom), the query falls back with
+PromQL ``or`` instead.
 
 Series are deduplicated per rank (``max by (... rank ...)``) before any sum, so a rank scraped
 both directly and through the sidecar (``fsdp-mem-otel serve``) is not counted twice.
@@ -52,11 +58,13 @@ from typing import Any
 from fsdp_mem_otel.fleet import catalog as cat
 from fsdp_mem_otel.fleet.alerts import (
     REC_JOB_CATEGORY_CURRENT,
+    REC_JOB_CATEGORY_LEAK,
     REC_JOB_CATEGORY_PEAK,
     REC_JOB_CATEGORY_PEAK_MIN,
     REC_JOB_DEVICE_RATIO,
     REC_JOB_ERRORS,
     REC_JOB_HEADROOM,
+    REC_JOB_HOURS,
     REC_JOB_LAST_STEP,
     REC_JOB_MODULE_FORWARD,
     REC_JOB_MODULE_PEAK,
@@ -70,6 +78,7 @@ from fsdp_mem_otel.fleet.alerts import (
     REC_JOB_RESIDENT,
     REC_JOB_RETRIES,
     REC_JOB_STALE,
+    REC_RANK_HOURS,
     RECORDED_LABELS,
 )
 
@@ -149,13 +158,16 @@ def categories(m: cat.Metric, scope: Scope) -> str:
 
 @dataclass(frozen=True)
 class Query:
-    """One panel target. ``cuda_only``: returns nothing unless a rank reports a CUDA device."""
+    """One panel target. ``cuda_only``: returns nothing unless a rank reports a CUDA device;
+    ``leak_only``: returns nothing unless a rank leaks (its tracker reports a category growing or
+    tensors held at the step end)."""
 
     expr: str
     legend: str = ""
     instant: bool = False
     table: bool = False
     cuda_only: bool = False
+    leak_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -168,6 +180,8 @@ class Dashboard:
     json: dict[str, Any]
     #: (panel title, refId) of every target that only CUDA devices answer
     cuda_only: frozenset[tuple[str, str]]
+    #: (panel title, refId) of every target that only a leaking job answers
+    leak_only: frozenset[tuple[str, str]] = frozenset()
 
     def render(self) -> str:
         return json.dumps(self.json, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
@@ -213,6 +227,7 @@ class _Board:
         self._next_id = 1
         self._titles: set[str] = set()
         self.cuda_only: set[tuple[str, str]] = set()
+        self.leak_only: set[tuple[str, str]] = set()
 
     def _id(self) -> int:
         n = self._next_id
@@ -238,6 +253,9 @@ class _Board:
         elif cuda:
             names = ", ".join(re.sub(r"\s*\{\{\w+\}\}", "", q.legend).strip() for q in cuda)
             description = f"{description} CUDA only (no data on CPU-only jobs): {names}."
+        if any(q.leak_only for q in queries):
+            description = (f"{description} Empty while nothing leaks: the tracker exports these series only "
+                           "while a category grows or tensors outlive the step.")
         panel.id(self._id()).title(title).description(description).datasource(self.ds).span(w).height(h)
         for i, q in enumerate(queries):
             ref = chr(ord("A") + i)
@@ -253,6 +271,8 @@ class _Board:
             panel.with_target(t)
             if q.cuda_only:
                 self.cuda_only.add((title, ref))
+            if q.leak_only:
+                self.leak_only.add((title, ref))
         self.b.with_panel(panel)
 
     def build(self) -> Dashboard:
@@ -262,7 +282,8 @@ class _Board:
             if v.type_val != interval:  # the SDK writes interval-only fields on every variable
                 v.auto = v.auto_min = v.auto_count = None
         obj = json.loads(json.dumps(model, cls=self.sdk.JSONEncoder))
-        return Dashboard(self.file_name, self.uid, self.title, obj, frozenset(self.cuda_only))
+        return Dashboard(self.file_name, self.uid, self.title, obj, frozenset(self.cuda_only),
+                         frozenset(self.leak_only))
 
 
 # -- panels ------------------------------------------------------------------------------------------
@@ -458,6 +479,22 @@ def fleet_overview(sdk: Any) -> Dashboard:
           [Query(f"max by ({_JOB}) ({job_peak})", "{{job_name}}"),
            Query(f"max by ({_JOB}) ({job_peak} offset $baseline)", "{{job_name}} ($baseline earlier)")], 12, 8)
 
+    b.row("Leaks and capacity forecast")
+    b.add(timeseries(sdk, "bytes"), "Leak growth per job and category (bytes per step)",
+          "Bytes per step by which a category's live bytes at the step end grow, on the job's fastest-growing "
+          "rank (the tracker's leak detector: they never fell and rose at half of its last steps or more). "
+          "FsdpMemLeak fires when it lasts; the job drill-down names the modules holding the bytes.",
+          [Query(f"max by ({_JOB}, category) ({job(REC_JOB_CATEGORY_LEAK)})", "{{job_name}} {{category}}",
+                 leak_only=True)], 12, 8)
+    b.add(table(sdk, "h", sort="Value", desc=False, transformations=[_hide_time()],
+                thresholds=_thresholds(sdk, (None, "red"), (6, "yellow"), (24, "green"))),
+          "Hours to device capacity per job (soonest first)",
+          "At the steady growth of its step peak or step-end bytes over the rules' forecast window (1h by "
+          "default: growing over the window and each of its halves), hours until the job's first rank reaches "
+          "its device's memory (0: past it). Jobs whose memory does not grow steadily are not listed. "
+          "FsdpMemCapacityForecast fires below 6h by default.",
+          [Query(f"min by ({_JOB}) ({job(REC_JOB_HOURS)})", instant=True, table=True, cuda_only=True)], 12, 8)
+
     b.row("Allocator and tracker health")
     b.add(timeseries(sdk, "short"), "OOMs and allocator retries per job",
           "Increase per interval, summed over the job's ranks.",
@@ -556,6 +593,24 @@ def job_drilldown(sdk: Any) -> Dashboard:
           "(recorded series).",
           [Query(f"max by (module, phase) ({module_recorded(REC_JOB_MODULE_SKEW)})", instant=True, table=True)],
           6, 8)
+
+    b.row("Leaks")
+    b.add(timeseries(sdk, "bytes"), "Leak growth per category (fastest rank)",
+          "Bytes per step by which the category's live bytes at the step end grow, on the job's fastest-growing "
+          "rank (the tracker's leak detector; recorded series, so $pod and $rank do not apply).",
+          [Query(f"max by (category) ({job(REC_JOB_CATEGORY_LEAK)})", "{{category}}", leak_only=True)], 8, 8)
+    b.add(timeseries(sdk, "bytes"), "Bytes held at step end per module (largest rank)",
+          "Bytes that each FSDP module's saved tensors, inputs and outputs still hold after the optimizer step "
+          "(light mode; a healthy step frees them), the 3 largest holders per rank: what a leak keeps alive.",
+          [Query(f"max by (module) ({sel(cat.STEP_END_HELD_BYTES, s)})", "{{module}}", leak_only=True)], 8, 8)
+    b.add(table(sdk, "h", sort="Value", desc=False, transformations=[_hide_time()],
+                thresholds=_thresholds(sdk, (None, "red"), (6, "yellow"), (24, "green"))),
+          "Hours to device capacity per rank (soonest first)",
+          "Per rank and CUDA device: hours until its step peak or step-end bytes reach the device's memory at "
+          "their steady growth over the rules' forecast window (0: past it). Ranks whose memory does not grow "
+          "steadily are not listed.",
+          [Query(f"min by (rank, device) ({job(REC_RANK_HOURS, ('rank', '=~', '$rank'))})", instant=True,
+                 table=True, cuda_only=True)], 8, 8)
 
     b.row("Step-over-step trend")
     b.add(timeseries(sdk, "bytes", min0=False), "Step peak change per step",

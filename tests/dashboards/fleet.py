@@ -46,7 +46,7 @@ from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
 from fsdp_mem_otel.fleet import dashboards as dash
 from fsdp_mem_otel.fleet.serve import SidecarCollector
 from fsdp_mem_otel.identity import Identity
-from fsdp_mem_otel.schema import CATEGORY_KEYS, STATES, ModuleReport, StepReport
+from fsdp_mem_otel.schema import CATEGORY_KEYS, STATES, LeakReport, ModuleReport, StepReport
 from tests.dashboards.test_dashboards import substitute, targets, variables
 from tests.dist import free_ports
 from tests.prometheus_server import running_prometheus
@@ -73,7 +73,9 @@ class Job:
 
 
 def rank_report(rank: int, world: int, modules: int) -> StepReport:
-    """One rank's step on a CUDA device, with every module's forward and backward states."""
+    """One rank's step on a CUDA device, with every module's forward and backward states, leaking
+    (three categories growing, tensors of the three last modules held at the step end: as many leak
+    series as a rank exports)."""
     local = rank % RANKS_PER_POD
     dev = f"cuda:{local}"
     scale = 1 + (rank % 7) / 100  # ranks differ a little, as real ranks do
@@ -88,9 +90,11 @@ def rank_report(rank: int, world: int, modules: int) -> StepReport:
                        "num_ooms": 0.0, "fragmentation_ratio": 0.14, "untracked_bytes": 1e7,
                        "outside_pytorch_bytes": 6e8},
                  "cpu": {"resident_bytes": 2.0**33}}
+    leak = LeakReport(growing={"activation": 4096.0 * scale, "inputs": 1024.0, "total": 5120.0 * scale},
+                      held={k: int(2**20 * scale) for k in keys[-3:]}, steps=30)
     return StepReport(step=100, rank=rank, world_size=world, mode="light", fsdp_version=2, peak=bytes_,
                       modules=mods, module_order=keys, current=bytes_, allocator=allocator, local_rank=local,
-                      duration_seconds=1.0, tracker_overhead_seconds=0.004, timestamp=time.time())
+                      duration_seconds=1.0, tracker_overhead_seconds=0.004, timestamp=time.time(), leak=leak)
 
 
 def render_pods(jobs: list[Job], modules: int, workdir: Path, progress: Any = None) -> dict[str, bytes]:

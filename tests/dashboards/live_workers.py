@@ -4,6 +4,10 @@ Each rank trains a small FSDP2 model under the tracker with a PrometheusExporter
 ``/metrics`` per rank and writes a sidecar file; rank 0 also runs the sidecar server over the shared
 directory. Steps are spaced out so that a 1 s Prometheus scrape sees many of them, and the ranks keep
 serving for a few scrapes after the last step before they stop.
+
+With ``leak=True`` the same training leaks as ``demo --leak`` does (each step's loss kept with its
+graph), under its own job name and namespace and without a sidecar: the job the leak panels are
+checked against.
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ from typing import Any
 BLOCKS, WIDTH, BATCH = 3, 32, 8
 JOB = "dash-e2e"
 NAMESPACE = "e2e"
+#: the leaking run's job and namespace (a namespace of its own: the healthy job's variables list it alone)
+LEAK_JOB = "dash-e2e-leak"
+LEAK_NAMESPACE = "e2e-leak"
 
 
-def pod_name(rank: int) -> str:
-    return f"{JOB}-worker-{rank}"
+def pod_name(rank: int, job: str = JOB) -> str:
+    return f"{job}-worker-{rank}"
 
 
 class _HostAllocatorStats:
@@ -45,7 +52,8 @@ class _HostAllocatorStats:
 
 
 def train_for_prometheus(base_port: int, sidecar_dir: str, sidecar_port: int, steps: int, step_sleep: float,
-                         settle: float) -> dict[str, Any]:
+                         settle: float, job: str = JOB, namespace: str = NAMESPACE,
+                         leak: bool = False) -> dict[str, Any]:
     import os
 
     import torch.distributed as dist
@@ -58,24 +66,26 @@ def train_for_prometheus(base_port: int, sidecar_dir: str, sidecar_port: int, st
     from tests.exporters.test_prometheus import small_report
 
     rank = dist.get_rank()
-    env = {**os.environ, "FSDP_MEM_OTEL_JOB": JOB, "POD_NAME": pod_name(rank), "POD_NAMESPACE": NAMESPACE}
+    env = {**os.environ, "FSDP_MEM_OTEL_JOB": job, "POD_NAME": pod_name(rank, job), "POD_NAMESPACE": namespace}
     identity = Identity.from_env(env)
     model, opt = build(BLOCKS, WIDTH, WrapOptions(fsdp=2))
     # launched with an estimate (any StepReport will do here): the estimate panel has data
-    exporter = PrometheusExporter(identity, base_port=base_port, addr="127.0.0.1", sidecar_dir=sidecar_dir,
+    exporter = PrometheusExporter(identity, base_port=base_port, addr="127.0.0.1", sidecar_dir=sidecar_dir or None,
                                   heartbeat_seconds=1.0, estimate=small_report())
     wrapped = _HostAllocatorStats(exporter)
     server = None
-    if rank == 0:
+    if rank == 0 and sidecar_dir:
         server = serve.make_server(sidecar_dir, sidecar_port, "127.0.0.1", stale_seconds=60.0)
         server.start()
     tracker = FSDPMemoryTracker(model, opt, exporters=[wrapped])
     dist.barrier()
     t_start = time.time()
     report = None
+    kept: list[Any] | None = [] if leak else None  # demo --leak: each loss kept with its graph
     with tracker:
         for step in range(steps):
-            train_step(model, opt, make_batch(step, BATCH, WIDTH, rank), on_inputs=tracker.track_inputs)
+            train_step(model, opt, make_batch(step, BATCH, WIDTH, rank), on_inputs=tracker.track_inputs,
+                       keep_losses=kept)
             report = tracker.step()
             time.sleep(step_sleep)
         t_last_step = time.time()
@@ -100,4 +110,7 @@ def train_for_prometheus(base_port: int, sidecar_dir: str, sidecar_port: int, st
         "allocator_devices": sorted(report.allocator),
         "filled_resident": wrapped.filled,
         "errors_total": tracker.errors_total,
+        # the last report's leak: what the exporter serves once the steps are over
+        "leak_growing": dict(report.leak.growing) if report.leak is not None else {},
+        "leak_held": dict(report.leak.held) if report.leak is not None else {},
     }

@@ -35,6 +35,8 @@ EXPECTED_CUDA_ONLY = {
     ("fsdp-mem-fleet", "Step peak as share of device capacity", "A"),
     ("fsdp-mem-fleet", "OOMs and allocator retries per job", "A"),
     ("fsdp-mem-fleet", "OOMs and allocator retries per job", "B"),
+    ("fsdp-mem-fleet", "Hours to device capacity per job (soonest first)", "A"),
+    ("fsdp-mem-job", "Hours to device capacity per rank (soonest first)", "A"),
     ("fsdp-mem-allocator", "Tracked vs allocator", "C"),
     ("fsdp-mem-allocator", "Tracked vs allocator", "D"),
     ("fsdp-mem-allocator", "Tracked vs allocator", "E"),
@@ -46,6 +48,20 @@ EXPECTED_CUDA_ONLY = {
     ("fsdp-mem-allocator", "Cached and split bytes", "B"),
     ("fsdp-mem-allocator", "Allocator retries and OOMs", "A"),
     ("fsdp-mem-allocator", "Allocator retries and OOMs", "B"),
+}
+
+#: every target allowed to be empty on a job that does not leak (the tracker exports the leak series
+#: only while a category grows or tensors outlive the step): (dashboard uid, panel title, refId)
+EXPECTED_LEAK_ONLY = {
+    ("fsdp-mem-fleet", "Leak growth per job and category (bytes per step)", "A"),
+    ("fsdp-mem-job", "Leak growth per category (fastest rank)", "A"),
+    ("fsdp-mem-job", "Bytes held at step end per module (largest rank)", "A"),
+}
+#: targets that answer only where memory grows steadily over the rules' forecast window
+#: (alerts.forecast_expression): the hours to device capacity
+EXPECTED_GROWTH_ONLY = {
+    ("fsdp-mem-fleet", "Hours to device capacity per job (soonest first)", "A"),
+    ("fsdp-mem-job", "Hours to device capacity per rank (soonest first)", "A"),
 }
 
 #: Grafana's built-in variables, with values a 1 s scrape interval makes sensible
@@ -200,7 +216,8 @@ def test_structure(built: list[dash.Dashboard]) -> None:
         for panel, t in targets(j):
             assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
             assert t["datasource"] == panel["datasource"] and t["refId"]
-            assert panel["fieldConfig"]["defaults"]["unit"] in ("bytes", "percentunit", "s", "short"), panel["title"]
+            assert panel["fieldConfig"]["defaults"]["unit"] in ("bytes", "percentunit", "s", "h", "short"), \
+                panel["title"]
             assert "$namespace" in t["expr"] and "$job" in t["expr"], panel["title"]
             # raw per-rank series are scoped by $rank or $inspect; recorded series by what they keep
             raw = metric_names(substitute(t["expr"], j, SAMPLE_VALUES)) - set(RECORDED_LABELS)
@@ -288,7 +305,8 @@ def test_every_metric_is_in_the_catalog(built: list[dash.Dashboard]) -> None:
         used |= {name for rec in used & set(reads) for name in reads[rec]}
     for m in (cat.STEP_PEAK_BYTES, cat.CURRENT_BYTES, cat.MODULE_PEAK_BYTES, cat.DEVICE_TOTAL_BYTES,
               cat.ALLOCATED_BYTES, cat.RESERVED_BYTES, cat.UNTRACKED_BYTES, cat.FRAGMENTATION_RATIO,
-              cat.ALLOC_RETRIES_TOTAL, cat.OOMS_TOTAL, cat.RESIDENT_BYTES, cat.SIDECAR_RANK_STALE):
+              cat.ALLOC_RETRIES_TOTAL, cat.OOMS_TOTAL, cat.RESIDENT_BYTES, cat.SIDECAR_RANK_STALE,
+              cat.LEAK_GROWTH, cat.STEP_END_HELD_BYTES):
         assert m.name in used, m.name
 
 
@@ -308,6 +326,17 @@ def test_cuda_only_targets_are_exactly_the_listed_ones(built: list[dash.Dashboar
         for panel, t in targets(d.json):
             if (panel["title"], t["refId"]) in d.cuda_only:
                 assert "CUDA only" in panel["description"]
+
+
+def test_leak_only_targets_are_exactly_the_listed_ones(built: list[dash.Dashboard]) -> None:
+    got = {(d.uid, title, ref) for d in built for title, ref in d.leak_only}
+    assert got == EXPECTED_LEAK_ONLY
+    assert not EXPECTED_LEAK_ONLY & EXPECTED_CUDA_ONLY  # a leaking CPU job answers them
+    assert EXPECTED_GROWTH_ONLY <= EXPECTED_CUDA_ONLY  # hours to capacity: a CUDA device's capacity
+    for d in built:
+        for panel, t in targets(d.json):
+            if (panel["title"], t["refId"]) in d.leak_only:
+                assert "Empty while nothing leaks" in panel["description"]
 
 
 # -- Grafana's TypeScript dashboard types -------------------------------------------------------------

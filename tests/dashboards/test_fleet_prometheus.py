@@ -8,7 +8,10 @@ Prometheus with the shipped recording rules (tests/dashboards/fleet.py). Every d
 runs with its variables at their widest defaults. Series counts grow linearly with a job's ranks,
 so the two jobs give each query's cost per rank, and the budget is checked at 256 ranks as
 measured and at 1,024 ranks projected from that slope (benchmarks/fleet.py measures 1,024 ranks
-directly).
+directly). Every rank leaks (as many leak series as a rank exports), so the leak panels are measured
+too; the hours to device capacity need memory that grows over the rules' forecast window, which this
+static fleet does not, so those targets (test_dashboards.EXPECTED_GROWTH_ONLY) may be empty here
+(tests/dashboards/test_live_prometheus.py checks them on growing memory).
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ from tests.dashboards.fleet import (
     query_costs,
     rank_report,
 )
+from tests.dashboards.test_dashboards import EXPECTED_GROWTH_ONLY
 
 BIG, SMALL, TARGET = Job("big", 256), Job("small", 128), 1024
 MODULES = 100
-SCRAPE = 2.0
+SCRAPE = 4.0  # the rules take ~3 s per pass at this size on 2 cores: a 2 s interval skips passes
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +65,8 @@ def _projected(big: QueryCost, small: QueryCost, field: str) -> float:
 def test_every_dashboard_query_answers_on_the_fleet(measured: dict[str, Any]) -> None:
     costs = measured["big"]
     assert len(costs) >= 40
-    silent = [f"{c.dashboard} / {c.panel} / {c.ref}: {c.expr}" for c in costs if not c.answered]
+    silent = [f"{c.dashboard} / {c.panel} / {c.ref}: {c.expr}" for c in costs
+              if not c.answered and _key(c) not in EXPECTED_GROWTH_ONLY]
     assert not silent, "\n".join(silent)  # a query that reads nothing would pass any budget
 
 
@@ -107,3 +112,7 @@ def test_recorded_series_hold_the_fleet_arithmetic(measured: dict[str, Any]) -> 
         assert one(f"count({alerts.REC_JOB_MODULE_PEAK}{sel})") == 2 * MODULES  # forward and backward
         assert one(f"count({alerts.REC_JOB_MODULE_PEAK_RANK}{sel})") == 2 * MODULES  # one rank holds each
         assert one(f"{alerts.REC_JOB_STALE}{sel}") == 0
+        leaks = [rank_report(r, job.ranks, 2).leak for r in range(job.ranks)]
+        growth = [leak.growing["activation"] for leak in leaks if leak is not None]
+        assert len(growth) == job.ranks
+        assert one(f'{alerts.REC_JOB_CATEGORY_LEAK}{{job_name="{job.name}",category="activation"}}') == max(growth)

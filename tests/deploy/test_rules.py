@@ -132,8 +132,36 @@ def test_thresholds_are_configurable(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def test_leak_and_forecast_knobs_reach_both_rule_groups(tmp_path: Path) -> None:
+    rc = alerts.rules_main(["--out", str(tmp_path / "prom"), "--k8s-out", str(tmp_path / "k8s"),
+                            "--dashboards", str(tmp_path / "none"), "--leak-min-bytes-per-step", "1048576",
+                            "--leak-lookback", "5m", "--leak-for", "30m", "--forecast-window", "2h",
+                            "--forecast-hours", "24", "--forecast-for", "1h"])
+    assert rc == 0
+    rules = {r.get("alert") or r.get("record"): r
+             for g in yaml.safe_load((tmp_path / "prom" / alerts.RULES_FILE).read_text())["groups"] for r in g["rules"]}
+    leak = rules["FsdpMemLeak"]
+    assert leak["for"] == "30m" and leak["expr"].count("[5m]") == 2 and leak["expr"].count("> 1048576\n") == 2
+    forecast = rules["FsdpMemCapacityForecast"]
+    assert "threshold 1048576 bytes per step" in leak["annotations"]["description"]
+    assert forecast["for"] == "1h" and forecast["expr"] == f"{alerts.REC_RANK_HOURS} < 24\n"
+    # the recording rule the alert reads fits over the window given (and its halves), not the default
+    hours = rules[alerts.REC_RANK_HOURS]["expr"]
+    assert hours.count("[2h]") == 4 and hours.count("[1h] offset 1h") == 2 and hours.count("offset 2h") == 2
+    assert "[30m]" not in hours
+    out = subprocess.run([_promtool(), "check", "rules", str(tmp_path / "prom" / alerts.RULES_FILE)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_forecast_halves() -> None:
+    assert [alerts._half(d) for d in ("1h", "10s", "15s", "90m", "1d")] == ["30m", "5s", "7500ms", "45m", "12h"]
+
+
 @pytest.mark.parametrize("field,value", [("regression_window", "30 minutes"), ("capacity_ratio", 0.0),
-                                         ("imbalance_percent", 150.0), ("stalled_after", 15)])
+                                         ("imbalance_percent", 150.0), ("stalled_after", 15),
+                                         ("forecast_window", "1s"), ("leak_min_bytes_per_step", 0.0),
+                                         ("leak_lookback", "2 minutes")])
 def test_rule_config_rejects_bad_values(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         alerts.RuleConfig(**{field: value})  # type: ignore[arg-type]
