@@ -136,6 +136,32 @@ def case_own_tracker_after_the_first_step() -> dict[str, Any]:
     return {"losses": losses, "own_reports": reports}
 
 
+def case_keeps_nothing_alive() -> dict[str, Any]:
+    """Weak references to what each step made (the leaf the model is called with, the output, the
+    loss; the batches themselves live in their list): none may outlive its step, the launcher's
+    root pre-hook (which accounts the forward arguments as inputs) included."""
+    import gc
+    import weakref
+
+    model = _shard(_model())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    made: list[weakref.ref[torch.Tensor]] = []
+    alive_after_each_step, losses = [], []
+    for x in _batches(4):
+        leaf = x.clone().requires_grad_(True)  # a leaf input, as a chunked loss feeds its head
+        out = model(leaf)
+        loss = out.pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        made += [weakref.ref(t) for t in (leaf, out, loss)]
+        del leaf, out, loss
+        gc.collect()
+        alive_after_each_step.append(sum(r() is not None for r in made))
+    return {"losses": losses, "alive": alive_after_each_step}
+
+
 def case_attach_fails() -> dict[str, Any]:
     from fsdp_mem_otel.training.adapters.fsdp2 import FSDP2Adapter
 
@@ -238,6 +264,7 @@ EXPECTED: dict[str, tuple[dict[str, int], list[int]]] = {
     "never_stepped": ({"never_stepped": 1}, [1]),
     "own_tracker": ({"own_tracker": 1}, []),
     "own_tracker_after_the_first_step": ({"own_tracker": 1}, [1]),
+    "keeps_nothing_alive": ({}, [1, 2, 3, 4]),
     "attach_fails": ({"attach_failed": 1}, []),
     "compiled_fsdp": ({}, [1, 2, 3]),
     "compiled_without_fsdp": ({}, []),
@@ -253,6 +280,12 @@ def test_each_case_is_counted_and_reported_as_expected(cases: dict[str, Case], n
 
 def test_no_global_hook_without_fsdp(cases: dict[str, Case]) -> None:
     assert cases["no_fsdp"].launched["global_hooks"] == 0  # nothing but the two wrap points is installed
+
+
+def test_nothing_a_step_made_outlives_it(cases: dict[str, Case]) -> None:
+    # (the plain run's figures equal the launched run's: test_training_runs_exactly_as_without_the_launcher)
+    assert cases["keeps_nothing_alive"].plain["alive"] == [0, 0, 0, 0]
+    assert cases["keeps_nothing_alive"].launched["alive"] == [0, 0, 0, 0]
 
 
 def test_the_trainings_own_tracker_keeps_working(cases: dict[str, Case]) -> None:
