@@ -52,7 +52,12 @@ class LeakWatch:
                           steps=len(self._ends))
 
     def _growth(self, category: str) -> float:
-        ys = [e[category] for e in self._ends]
+        ends = self._ends
+        # Never falling and rising at least once means ending above the start: the common flat
+        # category is settled here, without walking the window.
+        if len(ends) < 2 * self.min_steps or ends[-1][category] <= ends[0][category]:
+            return 0.0
+        ys = [e[category] for e in ends]
         steps = list(zip(ys, ys[1:], strict=False))
         rises = sum(b > a for a, b in steps)
         if (len(ys) < 2 * self.min_steps or rises < max(self.min_steps, len(steps) // 2)
