@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[2]
 REMOTE_WRITE = ROOT / "deploy" / "remote-write"
 NAMESPACE = "faults"
 SCRAPE = 1.0  # agents' scrape and the central's evaluation interval, seconds
-CENTRAL_DOWN = 60.0
+CENTRAL_DOWN = 30.0
 #: the shortened lost-rank timing (the shipped defaults are 2m and 3m): LOST_AFTER covers a
 #: scrape, the agents' batch_send_deadline (5 s) and a sidecar or agent restart
 LOST_AFTER, LOST_FOR = 15, 15

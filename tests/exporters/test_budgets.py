@@ -6,10 +6,10 @@ spans are encoded with the OTLP exporter's own protobuf encoder, one request per
 (issue "fleet scale", averaged over 1,000 steps): at most 10 spans and 20 KB of OTLP per step;
 at most 8 KB of JSONL per step (data and index files); the default Prometheus exposition at most
 3 series per module plus 100. Nothing is lost: the JSONL read back gives every step, with the
-module snapshots of the steps that carry them equal to the tracker's own reports. The run is 200 steps
+module snapshots of the steps that carry them equal to the tracker's own reports. The run is 100 steps
 (1,000 take over 10 minutes on CI's two cores): its window holds 1 step with module spans (step 1)
-where 1,000 steps hold 2 (1 and 1,000), and 3 JSONL lines with module snapshots (1, 100, 200)
-where 1,000 steps hold 11, so the 200-step averages are the stricter ones.
+where 1,000 steps hold 2 (1 and 1,000), and 2 JSONL lines with module snapshots (1 and 100, a
+deep step) where 1,000 steps hold 11, so the 100-step averages are the stricter ones.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from fsdp_mem_otel.fleet import catalog as cat
 from tests.dist import run_ranks
 
 MODULES = 100  # FSDP modules: 99 blocks and the root
-STEPS = 200
+STEPS = 100
 DEEP_EVERY = 100
 WIDTH = 8
 MAX_SPANS_PER_STEP = 10
