@@ -93,13 +93,13 @@ class StepRecorder:
 
     def reset(self) -> None:
         """Start a new step: no snapshots, no open windows, phase idle."""
-        self._calls: dict[str, _Calls] = {}
+        # (module key, state, counters, time_ns) per snapshot, in order: one tuple per event on
+        # the hot path; the per-module reports are built from it once, at the step's end
+        self._log: list[tuple[str, str, RawBreakdown, int]] = []
         self.windows: list[tuple[str, str]] = []  # (module key, peak state) per open window
         self.context.phase = IDLE
         self.context.in_ac_recompute = False
         self._ac_key: str | None = None
-        self._last_key: str | None = None
-        self._last_state_of: dict[str, str] = {}
 
     # -- events --------------------------------------------------------------------------------
     def on_state(self, key: str, state: str, in_backward: bool = False, windowed: bool = True) -> None:
@@ -114,7 +114,7 @@ class StepRecorder:
         closes = _CLOSES.get(state) if windowed else None
         if closes is not None:
             self._close_window(key, closes)
-        self._append(key, state, self.ledger.raw())
+        self._log.append((key, state, self.ledger.raw(), time.time_ns()))
         opens = _OPENS.get(state) if windowed else None
         if opens is not None:
             self.open_window(key, opens)
@@ -169,22 +169,23 @@ class StepRecorder:
             self._append(key, peak_state, self.ledger.close_window_raw())
 
     def _append(self, key: str, state: str, snap: RawBreakdown) -> None:
-        self._last_key = key
-        self._last_state_of[key] = state
-        mod = self._calls.get(key)
-        if mod is None:
-            mod = self._calls[key] = _Calls()
-        calls = mod.snapshots.get(state)
-        if calls is None:
-            calls = mod.snapshots[state] = []
-            mod.times[state] = []
-        calls.append(snap)
-        mod.times[state].append(time.time_ns())
+        self._log.append((key, state, snap, time.time_ns()))
 
     @property
     def modules(self) -> dict[str, ModuleReport]:
         """The step's snapshots so far, per module, as reports hold them (built on each call)."""
-        return {key: calls.report() for key, calls in self._calls.items()}
+        calls: dict[str, _Calls] = {}
+        for key, state, snap, t in self._log:
+            mod = calls.get(key)
+            if mod is None:
+                mod = calls[key] = _Calls()
+            snaps = mod.snapshots.get(state)
+            if snaps is None:
+                snaps = mod.snapshots[state] = []
+                mod.times[state] = []
+            snaps.append(snap)
+            mod.times[state].append(t)
+        return {key: mod.report() for key, mod in calls.items()}
 
     # -- where are we --------------------------------------------------------------------------
     @property
@@ -197,8 +198,8 @@ class StepRecorder:
         of the last snapshot, and the last state that module reached; ("", "") before any."""
         if self.windows:
             key = self.windows[-1][0]
-        elif self._last_key is not None:
-            key = self._last_key
+        elif self._log:
+            key = self._log[-1][0]
         else:
             return "", ""
-        return key, self._last_state_of.get(key, "")
+        return key, next((state for k, state, _, _ in reversed(self._log) if k == key), "")
