@@ -128,10 +128,11 @@ class StepRecorder:
         """End module ``key``'s ``peak_state`` window (inner ones first); a no-op if not open."""
         self._close_window(key, peak_state)
 
-    def end_window(self, key: str, peak_state: str) -> None:
-        """End module ``key``'s latest ``peak_state`` window alone, wherever it is among the open
-        ones (windows that overlap without nesting); a no-op if not open."""
-        for i in range(len(self.windows) - 1, -1, -1):
+    def end_window(self, key: str, peak_state: str, oldest: bool = False) -> None:
+        """End module ``key``'s latest (``oldest``: earliest) ``peak_state`` window alone, wherever
+        it is among the open ones (windows that overlap without nesting); a no-op if not open."""
+        n = len(self.windows)
+        for i in range(n) if oldest else range(n - 1, -1, -1):
             if self.windows[i] == (key, peak_state):
                 del self.windows[i]
                 self._append(key, peak_state, self.ledger.close_window_at(i))

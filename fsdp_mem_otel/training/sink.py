@@ -140,11 +140,11 @@ class Sink:
             except Exception as exc:  # noqa: BLE001
                 self.report_error(exc)
 
-    def end_window(self, key: str, peak_state: str) -> None:
-        """End module ``key``'s peak window alone, where windows overlap."""
+    def end_window(self, key: str, peak_state: str, oldest: bool = False) -> None:
+        """End module ``key``'s latest (``oldest``: earliest) peak window alone, where windows overlap."""
         if self.active:
             try:
-                self.recorder.end_window(key, peak_state)
+                self.recorder.end_window(key, peak_state, oldest)
             except Exception as exc:  # noqa: BLE001
                 self.report_error(exc)
 

@@ -69,8 +69,9 @@ class EventSink(Protocol):
     def close_window(self, key: str, peak_state: str) -> None:
         """End module ``key``'s ``peak_state`` window."""
 
-    def end_window(self, key: str, peak_state: str) -> None:
-        """End module ``key``'s ``peak_state`` window alone (windows that overlap, not nest)."""
+    def end_window(self, key: str, peak_state: str, oldest: bool = False) -> None:
+        """End module ``key``'s latest (``oldest``: earliest) ``peak_state`` window alone (windows
+        that overlap, not nest)."""
 
     def add(self, device: str, cat: int, delta: int) -> None:
         """Add ``delta`` bytes to category index ``cat`` on ``device`` (integer accounts)."""

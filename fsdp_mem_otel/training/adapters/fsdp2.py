@@ -21,6 +21,9 @@ Hook points:
   attributes (as upstream ``FSDPMemTracker`` does for the first two). Detach deletes those
   attributes, so the class methods are what runs again. A group shared by several modules
   (``fully_shard([a, b])``) is wrapped once and reports its states for each of them.
+- backward peak windows (deep steps): a module's ends where upstream ``FSDPMemTracker``'s does,
+  when autograd has the gradients of the inputs its forward received (``_InputGradEnds``), which
+  takes in the previous module's FSDP pre-backward; in light steps, at its post-backward.
 
 What FSDP holds, by category (exact in light mode). Light mode counts each group's buffers as
 integers moved by these events (``fsdp2_groups.LightGroup``: constant work per group, whatever its
@@ -110,6 +113,7 @@ class FSDP2Adapter:
         self._accounts: list[_Accounts] = []
         self._mirrors: dict[int, CommMirror] = {}
         self._check_grads = True
+        self._backward_ends = _InputGradEnds(sink)
         #: deep steps: every group accounted per tensor
         self.per_tensor = False
 
@@ -169,8 +173,8 @@ class FSDP2Adapter:
         for key, mod in self._modules:
             member = shared.get(key)
             if member is None:
-                handles.append(mod.register_forward_pre_hook(_begin_hook(sink, key, self._forward_begins),
-                                                             prepend=True))
+                handles.append(mod.register_forward_pre_hook(
+                    _begin_hook(sink, key, self._forward_begins, self._inputs_seen), prepend=True, with_kwargs=True))
             else:  # also sees the inputs, before FSDP's pre-forward wraps them
                 handles.append(mod.register_forward_pre_hook(_member_pre_hook(sink, key, member, self._forward_begins),
                                                              prepend=True, with_kwargs=True))
@@ -201,6 +205,7 @@ class FSDP2Adapter:
         self._saved.clear()
         self._accounts.clear()
         self._mirrors.clear()
+        self._backward_ends.clear()
 
     def _patch(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
         existed = name in owner.__dict__
@@ -212,10 +217,18 @@ class FSDP2Adapter:
         acct = _Accounts(group, sink, self._mirror_of, self.per_tensor)
         self._accounts.append(acct)
 
+        ends = self._backward_ends
+
         def on_state(state: str) -> Callable[[], None]:
             # the group's states are every member's; with several members the backward peak
             # windows are per module (``shared``), not the group's
             windowed = shared is None
+            if windowed and state == AFTER_POST_BACKWARD:
+                def emit_ending() -> None:  # the window may end later (deep steps)
+                    for key in keys:
+                        sink.on_state(key, state, None, not ends.defer(key))
+
+                return emit_ending
 
             def emit() -> None:
                 for key in keys:
@@ -284,6 +297,11 @@ class FSDP2Adapter:
         for acct in self._accounts:
             acct.reconcile()
         self._check_grads = True
+        self._backward_ends.clear()
+
+    def _inputs_seen(self, key: str, args: Any, kwargs: Any) -> None:
+        if self.per_tensor:  # a deep step
+            _guarded(self._sink, lambda: self._backward_ends.forward(key, (args, kwargs)))
 
     def _forward_begins(self) -> None:
         for mirror in self._mirrors.values():
@@ -436,14 +454,80 @@ def _guarded_value(sink: EventSink, fn: Callable[[], _T]) -> _T | None:
         return None
 
 
-def _begin_hook(sink: EventSink, key: str, first: Callable[[], None]) -> Callable[..., None]:
-    """before_pre_forward, after ``first`` (the adapter's catching up with FSDP)."""
+def _begin_hook(sink: EventSink, key: str, first: Callable[[], None],
+                inputs_seen: Callable[[str, Any, Any], None]) -> Callable[..., None]:
+    """before_pre_forward, after ``first`` (the adapter's catching up with FSDP); then
+    ``inputs_seen`` (which never raises) gets the inputs as the module receives them, before
+    FSDP's pre-forward."""
 
-    def hook(*_: Any) -> None:
+    def hook(_module: Any, args: Any, kwargs: Any) -> None:
         _guarded(sink, first)
         sink.on_state(key, BEFORE_PRE_FORWARD)
+        inputs_seen(key, args, kwargs)
 
     return dynamo_safe(hook)
+
+
+class _InputGradEnds:
+    """Deep steps: where a module's backward peak window ends, as upstream FSDPMemTracker's (its
+    ModTracker) does: when autograd has computed the gradients of the inputs the module's forward
+    received, not at FSDP's post-backward. Our hooks on those tensors run after the ones registered
+    on them earlier, among them the previous module's FSDP pre-backward hook (its unshard, copy-out
+    and backward prefetch), and right after upstream's, so the window takes those instants in, as
+    upstream's does. A call whose inputs need no gradient ends at its post-backward; one whose
+    input gradients this backward never computes, when the backward ends. No hook holds a tensor
+    (``_when_all_grads``)."""
+
+    _WAITING, _DEFERRED, _DONE = 0, 1, 2
+
+    def __init__(self, sink: EventSink) -> None:
+        self._sink = sink
+        # module key -> its forward calls whose post-backward is still to come, newest last:
+        # [whether its inputs need a gradient, state]
+        self._calls: dict[str, list[list[Any]]] = {}
+
+    def forward(self, key: str, inputs: object) -> None:
+        """Module ``key``'s forward received ``inputs`` (before FSDP's pre-forward wraps them)."""
+        if torch._C._current_graph_task_id() != -1:
+            return  # a checkpoint recompute: no post-backward of its own
+        needing = [t for t in iter_tensors(inputs) if t.requires_grad]
+        call: list[Any] = [bool(needing), self._WAITING]
+        self._calls.setdefault(key, []).append(call)
+        if needing:
+            _when_all_grads(needing, self._guarded(lambda: self._end(key, call)))
+
+    def defer(self, key: str) -> bool:
+        """At module ``key``'s after_post_backward: whether its backward window ends later, when
+        the gradients of this call's inputs are computed (FSDP runs post-backwards newest call first)."""
+        calls = self._calls.get(key)
+        if not calls:
+            return False  # a light step, or no forward seen
+        call = calls.pop()
+        if not call[0] or call[1] != self._WAITING or torch._C._current_graph_task_id() == -1:
+            return False
+        try:  # their gradients may never come (autograd.grad(..., inputs=)): at the latest, the backward's end
+            torch.autograd.Variable._execution_engine.queue_callback(self._guarded(lambda: self._end(key, call)))
+        except Exception as exc:  # noqa: BLE001
+            self._sink.report_error(exc)
+            return False
+        call[1] = self._DEFERRED
+        return True
+
+    def _guarded(self, fn: Callable[[], None]) -> Callable[..., None]:
+        sink = self._sink
+        return dynamo_safe(lambda *_: _guarded(sink, fn))
+
+    def _end(self, key: str, call: list[Any]) -> None:
+        deferred, call[1] = call[1] == self._DEFERRED, self._DONE
+        if deferred:  # the oldest: a later call of the same module may have opened its window since
+            self._sink.end_window(key, PEAK_BACKWARD, oldest=True)
+
+    def clear(self) -> None:
+        """The step ends: forget its calls (a window still open closes with the step)."""
+        for calls in self._calls.values():
+            for call in calls:
+                call[1] = self._DONE
+        self._calls.clear()
 
 
 def _inputs_hook(sink: EventSink, key: str) -> Callable[..., None]:
