@@ -41,6 +41,7 @@ import os
 from typing import Any
 
 from fsdp_mem_otel.config import DEFAULT_JSONL_MODULES_CHANGE, DEFAULT_JSONL_MODULES_EVERY, JSONLConfig
+from fsdp_mem_otel.exporters.peaks import all_calls, module_peaks
 from fsdp_mem_otel.exporters.worker import BackgroundWorker
 from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.offline.jsonl_format import (
@@ -61,7 +62,7 @@ from fsdp_mem_otel.offline.jsonl_format import (
     rotated_files,
     slot_files,
 )
-from fsdp_mem_otel.schema import DEEP, PEAK_BACKWARD, PEAK_FORWARD, TOTAL, StepReport
+from fsdp_mem_otel.schema import DEEP, StepReport
 
 # the file format lives in jsonl_format; these names stay importable from here
 __all__ = ["INDEX_OMITS", "INDEX_SUFFIX", "RANK_PLACEHOLDER", "JSONLExporter", "index_line", "index_path",
@@ -83,8 +84,9 @@ DEFAULT_STALL_SECONDS = 30.0
 
 def report_bytes(report: StepReport) -> int:
     """What ``report`` holds in memory, roughly: its module snapshots dominate (a dict of 12
-    integers per device each, about 700 bytes measured), plus the step-level fields."""
-    snapshots = sum(len(calls) for m in report.modules.values() for calls in m.snapshots.values())
+    integers per device each, about 700 bytes measured), plus the step-level fields. Counted
+    without building the snapshot dicts (this runs on the training thread, in ``export``)."""
+    snapshots = all_calls(report.modules)
     return 2048 + 700 * snapshots * max(1, len(report.peak))
 
 
@@ -196,30 +198,16 @@ class JSONLExporter:
     # -- the worker's side -------------------------------------------------------------------
     def _needs_modules(self, report: StepReport) -> bool:
         """Whether ``report``'s line carries its module snapshots (see the class doc). It runs for
-        every line: the modules' peaks are compared, unrolled, with the tolerances kept from the
-        last line that carried them, and nothing is built unless one moved."""
+        every line: the modules' peaks are compared with the tolerances kept from the last line
+        that carried them, read from the counters (``exporters.peaks``), and nothing is built
+        unless one moved."""
         last = self._module_peaks
         if (self._modules_step is None or report.step == 1 or report.step % self.config.modules_every == 0
                 or report.mode == DEEP or report.aborted is not None or report.modules.keys() != last.keys()):
             return True
-        for key, mod in report.modules.items():
+        for key, fwd, bwd in module_peaks(report.modules):
             old_fwd, old_bwd, fwd_tolerance, bwd_tolerance = last[key]
-            snaps = mod.snapshots
-            peak = 0  # ModuleReport.peak_total(PEAK_FORWARD), unrolled
-            for call in snaps.get(PEAK_FORWARD) or ():
-                for cats in call.values():
-                    total = cats.get(TOTAL, 0)
-                    if total > peak:
-                        peak = total
-            if abs(peak - old_fwd) > fwd_tolerance:
-                return True
-            peak = 0
-            for call in snaps.get(PEAK_BACKWARD) or ():
-                for cats in call.values():
-                    total = cats.get(TOTAL, 0)
-                    if total > peak:
-                        peak = total
-            if abs(peak - old_bwd) > bwd_tolerance:
+            if abs(fwd - old_fwd) > fwd_tolerance or abs(bwd - old_bwd) > bwd_tolerance:
                 return True
         return False
 
@@ -228,8 +216,7 @@ class JSONLExporter:
         may move before a line carries the snapshots again (``modules_change``, at least 64 KiB)."""
         ratio = self.config.modules_change
         out = {}
-        for key, mod in report.modules.items():
-            fwd, bwd = mod.peak_total(PEAK_FORWARD), mod.peak_total(PEAK_BACKWARD)
+        for key, fwd, bwd in module_peaks(report.modules):
             out[key] = (fwd, bwd, max(ratio * fwd, _MIN_CHANGE_BYTES), max(ratio * bwd, _MIN_CHANGE_BYTES))
         return out
 

@@ -90,6 +90,8 @@ class BackgroundWorker(Generic[T]):
         max_items, max_bytes: what may wait at most (see the module docstring); None = unbounded.
         coalesce: keep only the newest waiting item.
         idle, idle_seconds: heartbeat called while nothing arrives.
+        on_closing: called once ``shutdown()`` has begun (then ``closing`` is true), from the thread
+            that shuts the worker down: wakes a handler that waits on a condition of its own.
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class BackgroundWorker(Generic[T]):
         coalesce: bool = False,
         idle: Callable[[], object] | None = None,
         idle_seconds: float = 10.0,
+        on_closing: Callable[[], object] | None = None,
     ) -> None:
         self.name = name
         self._handle = handle
@@ -112,6 +115,7 @@ class BackgroundWorker(Generic[T]):
         self._coalesce = coalesce
         self._idle = idle
         self._idle_seconds = idle_seconds
+        self._on_closing = on_closing
         self._queue: collections.deque[tuple[T, int]] = collections.deque()
         self._queued_bytes = 0
         self._cond = threading.Condition()
@@ -136,8 +140,8 @@ class BackgroundWorker(Generic[T]):
             if self._closing:
                 return False
             self._submitted += 1
-            if self._coalesce and self._queue:
-                dropped += self._drop_oldest(len(self._queue), counted=False)
+            if self._coalesce and self._queue:  # superseded, not lost: neither counted nor warned about
+                self._drop_oldest(len(self._queue), counted=False)
             self._queue.append((item, size))
             self._queued_bytes += size
             while len(self._queue) > 1 and self._over_budget():
@@ -164,6 +168,11 @@ class BackgroundWorker(Generic[T]):
                 return self._finished >= self._submitted
             self._closing = True
             self._cond.notify_all()
+        if self._on_closing is not None:
+            try:
+                self._on_closing()
+            except Exception:  # noqa: BLE001 - exit paths never raise
+                logger.exception("fsdp_mem_otel: waking %s's handler failed", self.name)
         self._thread.join(max(0.0, deadline - time.monotonic()))
         with self._cond:
             self._closed = True

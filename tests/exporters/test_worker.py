@@ -72,6 +72,19 @@ def test_coalesce_keeps_only_the_newest() -> None:
     w.shutdown(5)
 
 
+def test_coalescing_is_not_reported_as_falling_behind(caplog: pytest.LogCaptureFixture) -> None:
+    gate = threading.Event()
+    failures = _failures()
+    w = BackgroundWorker("coalesce", lambda _: gate.wait(5), failures, coalesce=True)
+    with caplog.at_level(logging.WARNING):
+        for i in range(5):
+            w.submit(i)
+        gate.set()
+        assert w.flush(5)
+    assert failures.total == 0 and not [r for r in caplog.records if "behind" in r.getMessage()]
+    w.shutdown(5)
+
+
 def test_idle_heartbeat() -> None:
     beats: list[float] = []
     w = BackgroundWorker("idle", lambda _: None, _failures(), idle=lambda: beats.append(time.monotonic()),
@@ -127,6 +140,32 @@ def test_shutdown_has_a_deadline_with_a_stuck_handler() -> None:
     assert time.monotonic() - t0 < 2
     assert w.dropped == 3 and failures.total == 3  # the waiting ones; the stuck one is abandoned
     stuck.set()
+
+
+def test_on_closing_wakes_a_handler_waiting_on_its_own_condition() -> None:
+    """A handler that waits on a condition of its own (the sidecar writer waiting out its
+    interval) is woken by ``on_closing`` when the worker shuts down, instead of polling."""
+    cond = threading.Condition()
+    waited: list[float] = []
+    w: BackgroundWorker[int]
+
+    def handle(_: int) -> None:
+        t0 = time.monotonic()
+        with cond:
+            while not w.closing:
+                cond.wait(30)
+        waited.append(time.monotonic() - t0)
+
+    def wake() -> None:
+        with cond:
+            cond.notify_all()
+
+    w = BackgroundWorker("waits", handle, _failures(), on_closing=wake)
+    w.submit(1)
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    assert w.shutdown(5)
+    assert time.monotonic() - t0 < 2 and len(waited) == 1 and waited[0] < 2
 
 
 _CHILD = textwrap.dedent("""
