@@ -10,10 +10,12 @@ as counts (not times): every Python function the tracker's package runs and ever
 calls (``sys.setprofile``: a new ledger entry or weak reference is one), which must be equal for 2
 and 40 parameters, FSDP1 and FSDP2; and the memory blocks its code allocated during the step
 that are alive at its end (tracemalloc, traces cleared at the step's start, filtered by file), which
-must not be more with 40 parameters. Blocks cannot be held equal: CPython reuses freed lists, dicts
-and tuples without the allocator, and how many of the tracker's objects come from those free lists
-depends on FSDP's own per-parameter churn, so with 40 parameters the tracker's code is attributed
-fewer blocks (measured: 591 against 633). One block per extra parameter per step would be 114 more.
+must not be more with 40 parameters than free-list noise allows. Blocks cannot be held equal:
+CPython reuses freed lists, dicts and tuples without the allocator, and how many of the tracker's
+objects come from those free lists depends on FSDP's own per-parameter churn, so the two counts
+differ by a few blocks either way (measured: 591 against 633 with 40 parameters; 557 against 555
+after the recorder's snapshots became tuples). One block per extra parameter per step would be
+GROUPS x 38 = 114 more: the test allows a quarter of that (FREE_LIST_NOISE).
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from tests.dist import run_ranks
 GROUPS, WIDTH, BATCH, WARM_STEPS = 3, 16, 4, 3
 EXTRA_NUMEL = 156  # 1 x 156 or 39 x 4 elements: no padding either way (2 ranks, 16-byte alignment)
 PACKAGE = os.path.dirname(fsdp_mem_otel.__file__)
+#: blocks the 40-parameter run may be attributed beyond the 2-parameter one (CPython's free lists);
+#: a quarter of the GROUPS x 38 that one block per extra parameter would add
+FREE_LIST_NOISE = GROUPS * 38 // 4
 
 
 class _Block(nn.Module):
@@ -129,4 +134,4 @@ def test_light_work_per_step_is_constant_per_group(fsdp: int) -> None:
         assert small.fallback_groups == large.fallback_groups == 0
         assert small.calls > 100  # the tracker did run: snapshots, saved tensors, FSDP events
         assert large.calls == small.calls
-        assert large.allocated <= small.allocated
+        assert large.allocated <= small.allocated + FREE_LIST_NOISE, (large.allocated, small.allocated)
