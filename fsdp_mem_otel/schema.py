@@ -164,6 +164,12 @@ class CountedModuleReport(ModuleReport):
     def snapshots(self, value: dict[str, list[DeviceBreakdown]]) -> None:
         self._snapshots = value
 
+    @property
+    def counters(self) -> dict[str, list[dict[str, list[int]]]] | None:
+        """State -> one ``{device: counter list}`` per call (``breakdown_of`` turns one into a
+        snapshot), while ``snapshots`` has not built its dicts; None once it has (read those)."""
+        return self._counters if self._snapshots is None else None
+
 
 def breakdown_of(counters: dict[str, list[int]]) -> DeviceBreakdown:
     """Counter lists (device -> bytes indexed like ``CATEGORY_KEYS``) as ``{device: {category: bytes}}``."""

@@ -26,9 +26,7 @@ _Counters = dict[str, list[dict[str, list[int]]]]
 
 def _counters(mod: ModuleReport) -> _Counters | None:
     """The module's counter lists while its snapshot dicts are not built, else None."""
-    if isinstance(mod, CountedModuleReport) and mod._snapshots is None:
-        return mod._counters
-    return None
+    return mod.counters if isinstance(mod, CountedModuleReport) else None
 
 
 def _largest(calls: list[dict[str, list[int]]]) -> int:
@@ -55,8 +53,8 @@ def module_peaks(modules: Mapping[str, ModuleReport]) -> Iterator[tuple[str, int
     """(key, forward peak, backward peak) of each module, 0 for a state it did not reach: ``peaks``
     in one loop, for the JSONL writer's check of every line."""
     for key, mod in modules.items():
-        if isinstance(mod, CountedModuleReport) and mod._snapshots is None:
-            raw = mod._counters
+        raw = mod.counters if isinstance(mod, CountedModuleReport) else None
+        if raw is not None:
             calls = raw.get(PEAK_FORWARD)
             fwd = _largest(calls) if calls else 0
             calls = raw.get(PEAK_BACKWARD)
@@ -69,8 +67,9 @@ def all_calls(modules: Mapping[str, ModuleReport]) -> int:
     """How many snapshots ``modules`` hold (every module, state and call)."""
     n = 0
     for mod in modules.values():
-        if isinstance(mod, CountedModuleReport) and mod._snapshots is None:
-            n += sum(map(len, mod._counters.values()))
+        raw = mod.counters if isinstance(mod, CountedModuleReport) else None
+        if raw is not None:
+            n += sum(map(len, raw.values()))
         else:
             n += sum(map(len, mod.snapshots.values()))
     return n

@@ -56,7 +56,7 @@ def test_the_same_answers_as_the_snapshot_dicts_without_building_them() -> None:
             assert list(module_peaks({"m": mod})) == [("m", plain.peak_total(PEAK_FORWARD),
                                                        plain.peak_total(PEAK_BACKWARD))], raw
             assert all_calls({"m": mod}) == sum(len(c) for c in plain.snapshots.values()), raw
-        assert fresh._snapshots is None  # read from the counters only
+        assert fresh.counters is not None  # read from the counters only: no dicts built
     for modules in ({str(i): counted(raw) for i, raw in enumerate(SHAPES)},
                     {str(i): ModuleReport({s: [breakdown_of(b) for b in c] for s, c in raw.items()}, {})
                      for i, raw in enumerate(SHAPES)}):
@@ -79,7 +79,7 @@ def report(step: int, n_modules: int = 20) -> StepReport:
 
 
 def built(r: StepReport) -> set[str]:
-    return {k for k, m in r.modules.items() if isinstance(m, CountedModuleReport) and m._snapshots is not None}
+    return {k for k, m in r.modules.items() if isinstance(m, CountedModuleReport) and m.counters is None}
 
 
 def test_jsonl_builds_the_dicts_only_for_the_lines_that_carry_them(tmp_path: Path) -> None:
