@@ -92,8 +92,12 @@ class _Window:
     __slots__ = ("live", "peak", "snap")
 
     def __init__(self, current: RawBreakdown) -> None:
-        self.peak: dict[str, int] = {d: c[_T] for d, c in current.items()}
-        self.snap: RawBreakdown = {d: c[:] for d, c in current.items()}
+        # one loop, no comprehensions: windows open on the hot path (a module's forward, backward)
+        self.peak: dict[str, int] = {}
+        self.snap: RawBreakdown = {}
+        for d, c in current.items():
+            self.peak[d] = c[_T]
+            self.snap[d] = c[:]
         self.live: set[str] = set()
 
     def offer(self, device: str, total: int) -> None:
@@ -365,7 +369,7 @@ class Ledger:
         w.settle(self._cur)
         if self._windows:
             self._windows[-1].absorb(w)
-        return {d: c[:] for d, c in w.snap.items()}
+        return w.snap  # the window is gone; its counter lists are replaced, never changed in place
 
     def close_window_at(self, index: int) -> RawBreakdown:
         """End the window at ``index`` of the open ones (0 = outermost), which need not be the
@@ -388,7 +392,10 @@ class Ledger:
 
     def raw(self) -> RawBreakdown:
         """A copy of the current counters (what a snapshot keeps)."""
-        return {d: c[:] for d, c in self._cur.items()}
+        out = {}
+        for d, c in self._cur.items():  # a loop, not a comprehension: no frame of its own (3.11)
+            out[d] = c[:]
+        return out
 
     @property
     def current(self) -> DeviceBreakdown:

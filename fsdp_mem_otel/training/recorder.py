@@ -111,13 +111,21 @@ class StepRecorder:
             self._on_recompute(key, state)
             return
         self.context.phase = _PHASE_AFTER[state]
-        closes = _CLOSES.get(state) if windowed else None
-        if closes is not None:
-            self._close_window(key, closes)
-        self._log.append((key, state, self.ledger.raw(), time.time_ns()))
-        opens = _OPENS.get(state) if windowed else None
-        if opens is not None:
-            self.open_window(key, opens)
+        ledger, windows, log = self.ledger, self.windows, self._log
+        if windowed:
+            closes = _CLOSES.get(state)
+            if closes is not None:
+                if windows and windows[-1] == (key, closes):  # the usual nesting, written out
+                    windows.pop()
+                    log.append((key, closes, ledger.close_window_raw(), time.time_ns()))
+                else:
+                    self._close_window(key, closes)
+        log.append((key, state, ledger.raw(), time.time_ns()))
+        if windowed:
+            opens = _OPENS.get(state)
+            if opens is not None:
+                ledger.open_window()
+                windows.append((key, opens))
 
     def open_window(self, key: str, peak_state: str) -> None:
         """Start module ``key``'s ``peak_state`` window (nested in the open ones)."""
