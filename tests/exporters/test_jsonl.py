@@ -3,10 +3,12 @@ lines, I/O faults counted and recovered from, validation, and no torch import.""
 
 from __future__ import annotations
 
+import copy
 import errno
 import gzip
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from fsdp_mem_otel.exporters import jsonl
@@ -39,6 +42,11 @@ def make_report(step: int, rank: int = 0, n_modules: int = 3, aborted: bool = Fa
         aborted=StepAbort("OutOfMemoryError", "CUDA out of memory", True, "layers.1", "after_pre_forward", b)
         if aborted else None,
     )
+
+
+def line_bytes(report: StepReport) -> int:
+    """The bytes of ``report``'s line as the exporter writes it, newline included."""
+    return len(jsonl_format.encode(report)[1])
 
 
 def index_entries(path: Path) -> list[dict[str, Any]]:
@@ -74,7 +82,7 @@ def test_round_trip(tmp_path: Path) -> None:
     exp = JSONLExporter(path, modules_every=1)
     export_all(exp, reports)
     lines = path.read_text().splitlines()
-    assert lines == [r.to_json() for r in reports]  # one sorted-key JSON object per line
+    assert lines == [jsonl_format.encode(r)[1].decode().rstrip("\n") for r in reports]  # one JSON object per line
     assert all(json.loads(line) == r.to_dict() for line, r in zip(lines, reports, strict=True))
     assert list(read_reports(path)) == reports
     assert list(read_reports(str(path))) == reports
@@ -113,7 +121,7 @@ def test_rank_placeholder_and_parent_dirs(tmp_path: Path) -> None:
 
 def test_rotation_by_size(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
-    line = len(make_report(1).to_json()) + 1
+    line = line_bytes(make_report(1))
     exp = JSONLExporter(path, max_bytes=int(line * 2.5), backup_count=2, modules_every=1, compress=False)
     reports = [make_report(s) for s in range(1, 11)]
     export_all(exp, reports)
@@ -133,7 +141,7 @@ def test_rotation_by_size(tmp_path: Path) -> None:
 
 def test_rotated_files_are_compressed_and_read_back(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
-    line = len(make_report(1).to_json()) + 1
+    line = line_bytes(make_report(1))
     reports = [make_report(s) for s in range(1, 11)]
     plain = tmp_path / "plain" / "run.jsonl"
     for target, compress in ((path, True), (plain, False)):
@@ -168,7 +176,7 @@ def test_compression_failure_is_counted_and_the_file_stays_plain(
 
     monkeypatch.setattr(jsonl, "compress_pair", disk_full)
     path = tmp_path / "run.jsonl"
-    line = len(make_report(1).to_json()) + 1
+    line = line_bytes(make_report(1))
     exp = JSONLExporter(path, max_bytes=int(line * 1.5), backup_count=2, modules_every=1)
     with caplog.at_level(logging.WARNING, logger="fsdp_mem_otel"):
         export_all(exp, [make_report(s) for s in range(1, 4)])
@@ -196,7 +204,7 @@ def test_a_crash_while_compressing_leaves_one_copy_read(tmp_path: Path) -> None:
 
 def test_rotation_without_backups_restarts_file(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
-    line = len(make_report(1).to_json()) + 1
+    line = line_bytes(make_report(1))
     exp = JSONLExporter(path, max_bytes=int(line * 2.5), backup_count=0, modules_every=1)
     export_all(exp, [make_report(s) for s in range(1, 6)])
     exp.shutdown()
@@ -313,6 +321,24 @@ def test_queue_full_drops_and_counts(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert exp.lines_total == 5 - exp.dropped_total
 
 
+def test_queue_bytes_count_light_steps_now_and_then(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """export() bounds the queue by report_bytes; on the training thread it counts a light step's
+    snapshots on the first light step, every 100 and when the number of modules changes (else the
+    last count), and every deep or aborted step."""
+    reports = [make_report(s) for s in range(1, 206)]
+    reports[49].mode = "deep"
+    reports[59] = make_report(60, aborted=True)
+    reports[149:] = [make_report(s, n_modules=2) for s in range(150, 206)]  # a module left at step 150
+    expected = [jsonl.report_bytes(r) for r in reports]
+    counted: list[int] = []
+    real = jsonl.all_calls
+    monkeypatch.setattr(jsonl, "all_calls", lambda modules: counted.append(len(modules)) or real(modules))
+    exp = JSONLExporter(tmp_path / "run.jsonl")
+    assert [exp._queue_bytes(r) for r in reports] == expected
+    assert len(counted) == 5  # light steps 1, 103 (the 100th light step since), 150; deep 50, aborted 60
+    exp.shutdown()
+
+
 def test_shutdown_idempotent(tmp_path: Path) -> None:
     exp = JSONLExporter(tmp_path / "run.jsonl", modules_every=1)
     exp.shutdown()  # before any export: no thread, no file
@@ -412,7 +438,7 @@ def test_index_continues_when_appending(tmp_path: Path) -> None:
 
 def test_index_paired_through_rotation_and_stale_index_dropped(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
-    line = len(make_report(1).to_json()) + 1
+    line = line_bytes(make_report(1))
     Path(str(path) + ".2.index").write_text("stale\n")  # an index without its data file
     exp = JSONLExporter(path, max_bytes=int(line * 1.5), backup_count=3, modules_every=1, compress=False)
     export_all(exp, [make_report(s) for s in range(1, 4)])
@@ -447,7 +473,7 @@ def test_index_write_failure_counted_never_raises(tmp_path: Path, caplog: pytest
     exp.shutdown()
     assert (exp.errors_total, exp.lines_total) == (2, 3)
     assert [r.step for r in read_reports(path)] == [1, 2, 3]
-    line = len(make_report(1).to_json()) + 1
+    line = line_bytes(make_report(1))
     assert [(e["report"]["step"], e["offset"]) for e in index_entries(path)] == [(3, 2 * line)]
     assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
 
@@ -509,7 +535,50 @@ def test_lines_carry_module_snapshots_where_a_module_peak_moved(tmp_path: Path) 
 
 
 def test_a_line_is_the_reports_json() -> None:
+    """A line reads back as the report's dict; it is ``json.dumps(sort_keys=True)``'s text but for
+    the value of "modules", which orjson writes (compact); a line without modules is exactly it."""
     for report in (make_report(3), make_report(4, aborted=True)):
         _, line = jsonl_format.encode(report)
-        assert line == (json.dumps(report.to_dict(), sort_keys=True) + "\n").encode()
         assert json.loads(line) == report.to_dict()
+        reference = (json.dumps(report.to_dict(), sort_keys=True) + "\n").encode()
+        start, end = reference.index(b'"modules": '), reference.rindex(b', "peak": ')
+        assert line.startswith(reference[:start]) and line.endswith(reference[end:])  # the layout scan reads
+        modules = line[start + len(b'"modules": ') : len(line) - (len(reference) - end)]
+        assert json.loads(modules) == report.to_dict()["modules"]
+        options = orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS
+        assert modules == orjson.dumps(report.to_dict()["modules"], option=options)  # compact, sorted
+        sparse = copy.copy(report)
+        sparse.modules, sparse.module_order, sparse.modules_from = {}, [], 1
+        assert jsonl_format.encode(sparse)[1] == (json.dumps(sparse.to_dict(), sort_keys=True) + "\n").encode()
+
+
+@pytest.mark.parametrize("with_orjson", [True, False])
+def test_lines_read_back_as_json_dumps_wrote_them(monkeypatch: pytest.MonkeyPatch, with_orjson: bool) -> None:
+    """A line parses to what ``json.dumps`` of the report parses to, whatever the modules hold. What
+    orjson would write differently (NaN and the infinities: null, where json.dumps writes NaN,
+    Infinity, -Infinity) or refuses (integers past 64 bits, a lone surrogate) is left to json.dumps,
+    as is a text with "null" in it: that line is json.dumps' own. Non-finite step-level figures
+    (allocator statistics, floats) are json.dumps' text on every line. Without orjson, json.dumps
+    writes every line."""
+    if not with_orjson:
+        monkeypatch.setattr(jsonl_format, "_orjson", None)
+    nan, inf = float("nan"), float("inf")
+    # (a module's key, a byte count in its snapshots), and whether json.dumps writes that line
+    cases = [("layers.9", 12345, False), ("layers.9", -0.0, False), ("layers.9", 1e-300, False),
+             ("\u00e9t\u00e9 \"x\"", 1, False), ("layers.9", nan, True), ("layers.9", inf, True),
+             ("layers.9", -inf, True), ("layers.9", 2**64, True), ("layers.9", -(2**70), True),
+             ("\ud800", 1, True), ("null", 1, True)]
+    for key, value, whole in cases:
+        report = make_report(5)
+        report.allocator["cuda:0"]["fragmentation_ratio"] = nan  # step-level: NaN, as json.dumps writes it
+        report.modules[key] = ModuleReport({STATES[0]: [{"cpu": {CATEGORY_KEYS[0]: value}}]}, {STATES[0]: [2]})
+        _, line = jsonl_format.encode(report)
+        reference = (json.dumps(report.to_dict(copy=False), sort_keys=True) + "\n").encode()
+        # parsed alike (compared as text: NaN != NaN)
+        assert json.dumps(json.loads(line), sort_keys=True) == json.dumps(json.loads(reference), sort_keys=True)
+        assert (line == reference) == (whole or not with_orjson), (key, value)
+        assert b'"fragmentation_ratio": NaN' in line
+        parsed = json.loads(line)
+        assert repr(parsed["modules"][key]["snapshots"][STATES[0]][0]["cpu"][CATEGORY_KEYS[0]]) == repr(value)
+        back = StepReport.from_dict({**parsed, "modules": {}})
+        assert math.isnan(back.allocator["cuda:0"]["fragmentation_ratio"])
