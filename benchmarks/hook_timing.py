@@ -96,13 +96,29 @@ def instrument() -> None:
     ledger._free_callback = lambda entries, ref: timed("weakref free", free_callback(entries, ref))  # type: ignore
 
 
+def stub_on_state() -> None:
+    """Diagnostic (``--stub-on-state``): ``on_state`` only logs the event (no snapshot, no window,
+    no activations): what entering it costs in place, beside what its body costs. Reports of such
+    a run are not valid."""
+
+    def on_state(self: sink.Sink, key: str, state: str, tensors: object = None, windowed: bool = True) -> None:
+        if self.active:
+            self.recorder._log.append((key, state, {}, 0))
+
+    sink.Sink.on_state = on_state  # type: ignore[method-assign]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", type=int, default=16)
     p.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved untracked/tracked rounds (default 5)")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file (rank 0)")
+    p.add_argument("--stub-on-state", action="store_true",
+                   help="diagnostic: on_state only logs the event (its entry cost; reports not valid)")
     args = p.parse_args(argv)
+    if args.stub_on_state:
+        stub_on_state()
     rank, _ = init_distributed()
     model, opt = build(args.blocks, 64, WrapOptions(fsdp=2))
     xs = [make_batch(i, 8, 64, rank) for i in range(args.steps)]

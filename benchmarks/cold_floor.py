@@ -1,0 +1,113 @@
+"""What one entry into the tracker costs when training's own work ran just before it.
+
+Run (one process, CPU, a few seconds):
+
+    OMP_NUM_THREADS=1 python benchmarks/cold_floor.py [--calls 400] [--rounds 5]
+
+``hook_timing.py`` times the tracker's entry points in place, between torch's ops, and finds them
+several times slower per call than the same calls in a loop. This script shows why, without FSDP:
+each operation is timed call by call, once back to back (warm: the code and data it touches stay
+in the CPU caches) and once with a torch op between calls that, like a training step's kernels,
+pushes them out of the caches (cold: a 256x256 matmul and a pass over an 8 MiB tensor). Timed:
+
+- an empty Python function (the least a hook can cost),
+- ``t.detach()`` (what the saved-tensor pack hook must return),
+- the pack hook on a storage the ledger knows and on a new one (its entry and weak reference),
+- ``Sink.on_state`` through a module's four forward states (snapshots, window open and close).
+
+The cold column is the floor a hook pays in place: fewer entries per step, and less code and data
+touched per entry, are what lower light mode's in-place cost, more than fewer bytecodes per call.
+Prints microseconds per call, the median over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from fsdp_mem_otel.schema import AFTER_POST_FORWARD, AFTER_PRE_FORWARD, BEFORE_POST_FORWARD, BEFORE_PRE_FORWARD
+from fsdp_mem_otel.training.ledger import Ledger
+from fsdp_mem_otel.training.recorder import StepRecorder
+from fsdp_mem_otel.training.sink import Sink
+
+_STATES = (BEFORE_PRE_FORWARD, AFTER_PRE_FORWARD, BEFORE_POST_FORWARD, AFTER_POST_FORWARD)
+
+
+def _empty(_t: torch.Tensor) -> None:
+    return None
+
+
+def per_call(op: Callable[[int], object], calls: int, between: Callable[[], object] | None) -> float:
+    """Microseconds per ``op(i)``, timed call by call (the timer's own cost subtracted)."""
+    t0 = time.perf_counter()
+    time.perf_counter()
+    timer = time.perf_counter() - t0
+    total = 0.0
+    keep = []
+    for i in range(calls):
+        if between is not None:
+            between()
+        t0 = time.perf_counter()
+        keep.append(op(i))
+        total += time.perf_counter() - t0 - timer
+    return max(total, 0.0) / calls * 1e6
+
+
+def _fresh_sink() -> Sink:
+    ledger = Ledger()
+    sink = Sink(ledger, StepRecorder(ledger), lambda exc: None)
+    sink.active = True
+    return sink
+
+
+def operations(calls: int) -> dict[str, Callable[[int], object]]:
+    """The timed operations, each ``op(i)`` on the i-th of ``calls`` fresh tensors."""
+    tensors = [torch.randn(32, 32) for _ in range(calls)]
+    known, new, states = _fresh_sink(), _fresh_sink(), _fresh_sink()
+    for t in tensors:
+        known.activations._pack(t)  # their storages are known from now on
+    return {
+        "empty Python call": lambda i: _empty(tensors[i]),
+        "t.detach()": lambda i: tensors[i].detach(),
+        "pack hook, known storage": lambda i: known.activations._pack(tensors[i]),
+        "pack hook, new storage": lambda i: new.activations._pack(tensors[i]),
+        "Sink.on_state (forward states)": lambda i: states.on_state(f"m{i // 4 % 16}", _STATES[i % 4]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calls", type=int, default=400, help="calls per operation and round (default 400)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds; the median is printed (default 5)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256)
+    big = torch.ones(2 * 1024 * 1024)  # 8 MiB
+
+    def training_op() -> None:
+        torch.mm(a, a)
+        big.sum()
+
+    results: dict[str, list[tuple[float, float]]] = {}
+    for _ in range(args.rounds):
+        warm_ops, cold_ops = operations(args.calls), operations(args.calls)
+        for name in warm_ops:
+            warm = per_call(warm_ops[name], args.calls, None)
+            cold = per_call(cold_ops[name], args.calls, training_op)
+            results.setdefault(name, []).append((warm, cold))
+    print(f"{'operation':<34} {'warm us/call':>13} {'cold us/call':>13} {'cold/warm':>10}")
+    for name, rows in results.items():
+        warm = statistics.median(r[0] for r in rows)
+        cold = statistics.median(r[1] for r in rows)
+        ratio = f"{cold / warm:9.1f}x" if warm >= 0.05 else f"{'-':>10}"  # below the timer's resolution
+        print(f"{name:<34} {warm:13.2f} {cold:13.2f} {ratio}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
