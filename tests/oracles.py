@@ -9,11 +9,14 @@ must stay cheap to import: nothing here forks or builds a model at import time.
 from __future__ import annotations
 
 import gc
+import time
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_mem_otel.schema import TOTAL
 
@@ -111,6 +114,69 @@ def fsdp_fingerprint(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, 
     return print_ids
 
 
+class _ViewedStorages(TorchDispatchMode):
+    """Weak references to the storages of the views made while it is on, except ``known`` ones."""
+
+    def __init__(self, known: set[int]) -> None:
+        super().__init__()
+        self._known = known
+        self.refs: list[weakref.ref[torch.UntypedStorage]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        res = func(*args, **(kwargs or {}))
+        if func.is_view:
+            for t in res if isinstance(res, (tuple, list)) else (res,):
+                st = t.untyped_storage()
+                if st.data_ptr() not in self._known:
+                    self.refs.append(weakref.ref(st))
+        return res
+
+
+def prompt_gloo_reduce_scatter() -> Any:
+    """FSDP2's default reduce-scatter, returning only once gloo has freed the buffer it made.
+
+    gloo's reduce-scatter all-reduces a clone of its input and copies this rank's chunk out of it
+    in ``wait``; the clone is freed when both the caller and gloo's worker thread have let go of
+    the work, and the worker does so when it gets to it: in most steps before FSDP's next op, in
+    some after the next module's unshard. Upstream FSDPMemTracker counts the clone until it is
+    freed, so its peaks would depend on that thread's timing (ours end it with FSDP's
+    post-backward). With this reduce-scatter the clone is freed before FSDP's post-backward goes
+    on, in every step: the oracle's figures are the same in every run.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    class PromptReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                     async_op: bool = False) -> Any:
+            assert not async_op
+            work = super().__call__(output_tensor, input_tensor, group, op, True)
+            known = {output_tensor.untyped_storage().data_ptr(), input_tensor.untyped_storage().data_ptr()}
+            with _ViewedStorages(known) as seen:
+                work.wait()
+            del work
+            deadline = time.monotonic() + 30
+            while any(r() is not None for r in seen.refs):
+                assert time.monotonic() < deadline, "gloo's worker kept the reduce-scatter's clone for 30 s"
+                time.sleep(1e-4)  # lets the worker thread take the GIL and free it
+            return None
+
+    return PromptReduceScatter()
+
+
+def free_gloo_buffers_promptly(model: nn.Module) -> None:
+    """Every FSDP2 group of ``model`` with the default reduce-scatter gets
+    ``prompt_gloo_reduce_scatter`` instead (once)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    comm = prompt_gloo_reduce_scatter()
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                if type(group._reduce_scatter_comm) is DefaultReduceScatter:
+                    group._reduce_scatter_comm = comm
+
+
 class UpstreamStep(NamedTuple):
     light: dict[str, Any]  # our light tracker's StepReport.to_dict()
     deep: dict[str, Any]  # our deep tracker's, the same step
@@ -123,11 +189,13 @@ def step_under_upstream(model: nn.Module, opt: torch.optim.Optimizer, x: torch.T
                         step: Callable[[], Any]) -> UpstreamStep:
     """``step()`` once under upstream FSDPMemTracker with our deep and light trackers attached
     inside its context (our hooks run first, our windows enclose upstream's): the three see the
-    very same step."""
+    very same step, whose reduce-scatters free gloo's buffers before they return
+    (``prompt_gloo_reduce_scatter``)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
+    free_gloo_buffers_promptly(model)
     settle()
     upstream = FSDPMemTracker(model, opt)
     upstream.track_inputs((x,))

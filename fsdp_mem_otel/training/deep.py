@@ -5,6 +5,14 @@ state inside ``optimizer.step``, temp in backward outside activation-checkpoint 
 activation otherwise), and FSDP's collectives relabel their buffers, the same rules as upstream
 ``FSDPMemTracker``. Unlike upstream, the per-op work is O(1): no loop over modules (per-module
 peaks are kept by the ledger's nested windows).
+
+A buffer a collective's backend allocates itself is seen only through the views of it that the
+backend's ``wait`` makes: gloo's reduce-scatter all-reduces a clone of its input and copies this
+rank's chunk out of it. Its worker thread, which holds that clone too, frees it when it gets to it:
+right away in most steps, after the next module's unshard in others. Such buffers (a view of a
+storage never seen, after a reduce-scatter, in the post-backward that ran it) end when FSDP's
+post-backward returns (``release_backend_buffers``), so a peak does not depend on another
+thread's timing.
 """
 
 from __future__ import annotations
@@ -62,6 +70,10 @@ class DeepMode(TorchDispatchMode):
             elif func in _REDUCE_SCATTER_OPS:
                 if ctx.phase == POST_BACKWARD:
                     ledger.relabel_guess(args[1], REDUCE_SCATTER, _GUESSES)
+                    if ctx.backend_buffers is None:
+                        ctx.backend_buffers = []
+            elif ctx.backend_buffers is not None and func.is_view:
+                _note_unseen(ledger, res, ctx.backend_buffers)
             _track_outputs(ledger, res, category)
             ledger.offer_current()
         except Exception as exc:  # noqa: BLE001 - never break training
@@ -76,6 +88,25 @@ def _track_outputs(ledger: Ledger, res: Any, category: str) -> None:
     elif isinstance(res, (tuple, list)):
         for r in res:
             _track_outputs(ledger, r, category)
+
+
+def _note_unseen(ledger: Ledger, res: Any, found: list[weakref.ref[torch.UntypedStorage]]) -> None:
+    """Weak references to the storages of ``res`` (a view op's outputs) the ledger has never seen."""
+    for t in res if isinstance(res, (tuple, list)) else (res,):
+        if type(t) is torch.Tensor and t.layout is torch.strided:
+            st = t.untyped_storage()
+            if not ledger.knows(st) and all(r() is not st for r in found):
+                found.append(weakref.ref(st))
+
+
+def release_backend_buffers(ledger: Ledger, context: StepContext) -> None:
+    """FSDP's post-backward returned: the backend buffers its reduce-scatter made leave the
+    accounts now, whether or not the backend's thread has freed them yet."""
+    found, context.backend_buffers = context.backend_buffers, None
+    for ref in found or ():
+        st = ref()
+        if st is not None:
+            ledger.forget(st)
 
 
 class _ResizeWatch:

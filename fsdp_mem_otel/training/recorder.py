@@ -13,6 +13,7 @@ optimizer or a checkpoint recompute is running.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from fsdp_mem_otel.schema import (
     AFTER_POST_BACKWARD,
@@ -58,14 +59,18 @@ _CLOSES: dict[str, str] = {AFTER_POST_FORWARD: PEAK_FORWARD, AFTER_POST_BACKWARD
 
 
 class StepContext:
-    """What is running now, for per-op accounting: the FSDP phase, the optimizer, AC recompute."""
+    """What is running now, for per-op accounting: the FSDP phase, the optimizer, AC recompute,
+    and the buffers a reduce-scatter's backend allocated itself in this post-backward."""
 
-    __slots__ = ("in_ac_recompute", "in_optimizer", "phase")
+    __slots__ = ("backend_buffers", "in_ac_recompute", "in_optimizer", "phase")
 
     def __init__(self) -> None:
         self.phase = IDLE
         self.in_optimizer = False
         self.in_ac_recompute = False
+        #: deep steps, from a reduce-scatter to its post-backward's end: weak references to the
+        #: storages the backend made itself (``deep.BackendBuffers``); None outside that span
+        self.backend_buffers: list[Any] | None = None
 
 
 class _Calls:
@@ -99,6 +104,7 @@ class StepRecorder:
         self.windows: list[tuple[str, str]] = []  # (module key, peak state) per open window
         self.context.phase = IDLE
         self.context.in_ac_recompute = False
+        self.context.backend_buffers = None
         self._ac_key: str | None = None
 
     # -- events --------------------------------------------------------------------------------

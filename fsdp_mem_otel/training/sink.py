@@ -29,6 +29,7 @@ from fsdp_mem_otel.schema import (
 )
 from fsdp_mem_otel.training.activations import SavedTensorAccounting
 from fsdp_mem_otel.training.adapters.base import tensors_in
+from fsdp_mem_otel.training.deep import release_backend_buffers
 from fsdp_mem_otel.training.ledger import Ledger, storages_of
 from fsdp_mem_otel.training.recorder import StepRecorder
 
@@ -113,6 +114,8 @@ class Sink:
                             track_new(t, ACTIVATION, key)
                 elif state in _POST_FORWARD:
                     self._note_raising_forward()
+            if self.deep and state == AFTER_POST_BACKWARD:
+                release_backend_buffers(self.ledger, self.recorder.context)
             self.recorder.on_state(key, state, in_backward, windowed)
             if state in _SAMPLED:
                 self._sample()
