@@ -9,11 +9,13 @@ reports makes the configurations comparable in one run; the training itself is n
 (benchmarks/overhead.py does that).
 
 A replay runs far faster than training, so it models a step rate: every ``--flush-every`` steps
-(default 5: one step per second) each exporter is flushed, which is what its own clock does once
-per 5 s in a job: the span processor sends its batch (``OTEL_BSP_SCHEDULE_DELAY``, 5 s), the
-sidecar renders its file (``sidecar_interval_seconds``, 5 s; set to an hour here so that only the
-flush renders), the JSONL writer catches up (it writes every step). ``--flush-every 1`` is one
-step per 5 s. Nothing is dropped: the script fails if an exporter dropped a step.
+(default 5: one step per second) the span and JSONL exporters are flushed, which is what their
+own clocks do once per 5 s in a job: the span processor sends its batch
+(``OTEL_BSP_SCHEDULE_DELAY``, 5 s), the JSONL writer catches up (it writes every step); the
+sidecar is flushed every ``--sidecar-every`` steps (default 15: its ``sidecar_interval_seconds``,
+15 s, at one step per second; its own interval is set to an hour here so that only the flush
+renders). ``--flush-every 1 --sidecar-every 3`` is one step per 5 s. Nothing is dropped: the
+script fails if an exporter dropped a step.
 
 Every replay gets the reports as the tracker hands them over: a module's snapshots are the
 recorder's counter lists until an exporter first reads ``snapshots``, which then builds their dicts
@@ -141,14 +143,14 @@ def flush_all(exporters: list[Any]) -> None:
             raise RuntimeError(f"{type(e).__name__} did not flush")
 
 
-def replay(reports: list[StepReport], exporters: list[Any], flush_every: int) -> float:
+def replay(reports: list[StepReport], exporters: list[Any], flush_every: int, sidecar_every: int) -> float:
     """Process CPU seconds per step that exporting ``reports`` costs (construction and close excluded)."""
     start = time.process_time()
     for i, report in enumerate(reports, 1):
         for e in exporters:
             e.export(report)
-        if i % flush_every == 0:
-            flush_all(exporters)
+            if i % (sidecar_every if isinstance(e, PrometheusExporter) else flush_every) == 0:
+                flush_all([e])
     flush_all(exporters)
     cpu = time.process_time() - start
     for e in exporters:
@@ -170,6 +172,8 @@ def main() -> None:
     p.add_argument("--deep-every", type=int, default=100)
     p.add_argument("--flush-every", type=int, default=5,
                    help="steps between flushes (default 5: one step per second, see the module docstring)")
+    p.add_argument("--sidecar-every", type=int, default=15,
+                   help="steps between sidecar renders (default 15: its default interval at one step per second)")
     p.add_argument("--paced", type=int, default=0, metavar="N",
                    help="also export N light steps to all three at once, one per --period seconds, on "
                         "their own clocks (see the module docstring)")
@@ -216,13 +220,13 @@ def main() -> None:
                     exporters.append(JSONLExporter(os.path.join(d, "run.jsonl")))
                 if not args.reuse_snapshots:
                     as_handed_over(reports)
-                cpu[name].append(replay(reports, exporters, args.flush_every))
+                cpu[name].append(replay(reports, exporters, args.flush_every, args.sidecar_every))
                 n = len(reports)
                 if name == "OTLP spans":
                     out[name] = f"{sink.spans / n:.1f} spans, {sink.bytes / n / 1024:.1f} KiB OTLP"
                 elif name == "Prometheus sidecar file":
                     size = os.path.getsize(os.path.join(d, "sidecar", "rank-0.prom"))
-                    out[name] = f"{size / 1024:.1f} KiB file, written every {args.flush_every} steps"
+                    out[name] = f"{size / 1024:.1f} KiB file, written every {args.sidecar_every} steps"
                 elif name == "JSONL":
                     written = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d)
                                   if f.startswith("run.jsonl"))
@@ -232,7 +236,7 @@ def main() -> None:
     if args.rounds:
         built = "snapshot dicts kept between replays" if args.reuse_snapshots else "reports as handed over"
         print(f"\n{len(reports)} steps ({deep} deep), {modules} FSDP modules, flushed every {args.flush_every} "
-              f"steps, {args.rounds} round(s), {built}\n")
+              f"steps (the sidecar every {args.sidecar_every}), {args.rounds} round(s), {built}\n")
         print("| exporter | background CPU per step | output per step |")
         print("|---|---|---|")
         for name in names:

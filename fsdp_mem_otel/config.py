@@ -49,9 +49,10 @@ DEFAULT_BASE_PORT = 9400
 #: encode, so one in 1000 keeps their share near 0.1 ms per step (benchmarks/exporter_cpu.py);
 #: the step span (step-level breakdown) goes every exported step
 DEFAULT_MODULE_SPANS_EVERY = 1000
-#: seconds between sidecar file rewrites at most: rendering costs a few ms at 100 modules, and
-#: Prometheus reads the file once per scrape interval (30 s in the example), not every step
-DEFAULT_SIDECAR_INTERVAL = 5.0
+#: seconds between sidecar file rewrites at most: rendering costs ~2.6 ms at 100 modules, and
+#: Prometheus reads the file once per scrape interval (30 s in the shipped PodMonitor), not every
+#: step: half of it, so each scrape reads a step at most 15 s older than the newest
+DEFAULT_SIDECAR_INTERVAL = 15.0
 #: JSONL lines carry module snapshots on step 1, one step in 100, deep and aborted steps, and
 #: when a module's peak moved by more than 5% (and 64 KiB): a line with them is ~3 KB per module,
 #: one without ~2 KB, so at 100 modules the average stays near 5 KB per step

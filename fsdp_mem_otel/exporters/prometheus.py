@@ -396,7 +396,7 @@ class PrometheusExporter:
         heartbeat_seconds: between steps, refresh the sidecar file's modification time this often,
             so the sidecar marks a rank stale only when its process is gone (a rank stuck in a
             collective stays fresh; its last-step timestamp shows it is stuck).
-        sidecar_interval_seconds: rewrite the sidecar file at most this often (default 5 s, the
+        sidecar_interval_seconds: rewrite the sidecar file at most this often (default 15 s, the
             newest step each time; 0: every step); an aborted step, ``flush()`` and
             ``shutdown()`` write at once.
 
