@@ -69,7 +69,7 @@ class StepContext:
         self.in_optimizer = False
         self.in_ac_recompute = False
         #: deep steps, from a reduce-scatter to its post-backward's end: weak references to the
-        #: storages the backend made itself (``deep.BackendBuffers``); None outside that span
+        #: storages the backend made itself (``deep.release_backend_buffers`` ends them); None outside it
         self.backend_buffers: list[Any] | None = None
 
 
