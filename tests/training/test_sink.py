@@ -9,15 +9,20 @@ import torch
 
 from fsdp_mem_otel.schema import (
     ACTIVATION,
+    AFTER_POST_BACKWARD,
     AFTER_POST_FORWARD,
+    AFTER_PRE_BACKWARD,
     AFTER_PRE_FORWARD,
     ALL_GATHER,
+    BEFORE_POST_BACKWARD,
     BEFORE_POST_FORWARD,
+    BEFORE_PRE_BACKWARD,
     BEFORE_PRE_FORWARD,
     PEAK_FORWARD,
     TOTAL,
     UNSHARDED_PARAM,
 )
+from fsdp_mem_otel.training.deep import DeepMode
 from fsdp_mem_otel.training.ledger import INDEX, Ledger
 from fsdp_mem_otel.training.recorder import StepRecorder
 from fsdp_mem_otel.training.sink import Sink
@@ -143,3 +148,26 @@ def test_failures_are_contained_and_inactive_sinks_do_nothing() -> None:
     sink.track(torch.empty(10), ACTIVATION)
     sink.on_state("<root>", AFTER_POST_FORWARD)
     assert ledger.current == {} and len(errors) == 1
+
+
+def test_a_backends_own_buffer_ends_with_the_post_backward() -> None:
+    sink, ledger, errors = _sink()
+    sink.deep = True
+    context = sink.recorder.context
+    clone = torch.empty(1000)  # made where no op is seen, as gloo's clone inside its kernel
+    mine = torch.empty(10)
+    for state in (BEFORE_PRE_BACKWARD, AFTER_PRE_BACKWARD, BEFORE_POST_BACKWARD):
+        sink.on_state("a", state)
+    context.backend_buffers = []  # what deep mode does at a reduce-scatter in a post-backward
+    with DeepMode(ledger, context, errors.append):
+        doubled = mine * 2  # an op's output: counted as usual
+        chunks = clone.split(250)  # the backend's wait: views of a storage never seen
+        flat = doubled.view(-1)  # a view of a storage seen: not the backend's
+    assert ledger.current["cpu"][TOTAL] == (1000 + 10) * 4
+    sink.on_state("a", AFTER_POST_BACKWARD)  # FSDP's post-backward returned
+    assert ledger.current["cpu"][TOTAL] == 10 * 4  # the clone left the accounts, still alive
+    del chunks, clone
+    assert ledger.current["cpu"][TOTAL] == 10 * 4  # its free subtracts nothing more
+    del flat, doubled
+    assert ledger.current.get("cpu", {}).get(TOTAL, 0) == 0
+    assert context.backend_buffers is None and errors == []
