@@ -163,17 +163,40 @@ def prompt_gloo_reduce_scatter() -> Any:
     return PromptReduceScatter()
 
 
-def free_gloo_buffers_promptly(model: nn.Module) -> None:
-    """Every FSDP2 group of ``model`` with the default reduce-scatter gets
-    ``prompt_gloo_reduce_scatter`` instead (once)."""
+def late_gloo_reduce_scatter() -> Any:
+    """FSDP2's default reduce-scatter, whose work (and so gloo's clone of the input) stays alive
+    until the next reduce-scatter, or ``release()``: gloo's worker thread at its slowest, on purpose."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    class LateReduceScatter(DefaultReduceScatter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.held: list[Any] = []
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                     async_op: bool = False) -> Any:
+            self.held.clear()
+            work = super().__call__(output_tensor, input_tensor, group, op, True)
+            work.wait()
+            self.held.append(work)
+            return None
+
+        def release(self) -> None:
+            self.held.clear()
+
+    return LateReduceScatter()
+
+
+def use_reduce_scatter(model: nn.Module, comm: Any, only_default: bool = False) -> None:
+    """Every FSDP2 group of ``model`` reduce-scatters with ``comm`` (``only_default``: the groups
+    still on FSDP's default one)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-    comm = prompt_gloo_reduce_scatter()
     for m in model.modules():
         if isinstance(m, FSDPModule):
             for group in m._get_fsdp_state()._fsdp_param_groups:
-                if type(group._reduce_scatter_comm) is DefaultReduceScatter:
+                if not only_default or type(group._reduce_scatter_comm) is DefaultReduceScatter:
                     group._reduce_scatter_comm = comm
 
 
@@ -195,7 +218,7 @@ def step_under_upstream(model: nn.Module, opt: torch.optim.Optimizer, x: torch.T
 
     from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
-    free_gloo_buffers_promptly(model)
+    use_reduce_scatter(model, prompt_gloo_reduce_scatter(), only_default=True)
     settle()
     upstream = FSDPMemTracker(model, opt)
     upstream.track_inputs((x,))

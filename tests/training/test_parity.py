@@ -33,7 +33,15 @@ from torch import nn
 from fsdp_mem_otel.schema import CATEGORY_KEYS, TOTAL
 from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch, train_step
 from tests.dist import run_ranks
-from tests.oracles import BATCH, BLOCKS, WIDTH, step_under_upstream, upstream_snapshot
+from tests.oracles import (
+    BATCH,
+    BLOCKS,
+    WIDTH,
+    late_gloo_reduce_scatter,
+    step_under_upstream,
+    upstream_snapshot,
+    use_reduce_scatter,
+)
 from tests.training.test_tracking import _compare_light_to_deep
 
 
@@ -117,41 +125,13 @@ def unequal_blocks_parity() -> list[ParityResult]:
     return [_one_step(model, opt, x, step) for _ in range(2)]
 
 
-class _LateReduceScatter:
-    """FSDP2's default reduce-scatter, whose work (and so gloo's clone of the input) stays alive
-    until the next reduce-scatter: gloo's worker thread at its slowest, on purpose."""
-
-    def __init__(self, default: Any) -> None:
-        self._default = default
-        self._held: list[Any] = []
-
-    def allocate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self._default.allocate(*args, **kwargs)
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
-                 async_op: bool = False) -> Any:
-        self._held.clear()
-        work = self._default(output_tensor, input_tensor, group, op, True)
-        work.wait()
-        self._held.append(work)
-        return None
-
-    def release(self) -> None:
-        self._held.clear()
-
-
 def late_and_prompt_gloo_frees() -> tuple[ParityResult, ParityResult]:
     """The same unequal-blocks step twice under upstream's tracker and ours: gloo's clone freed
     before each reduce-scatter returns, then only at the next one."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
-
     model, opt, x, step = _unequal_blocks()
     prompt = _one_step(model, opt, x, step)
-    groups = [g for m in model.modules() if isinstance(m, FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups]
-    late_comm = _LateReduceScatter(DefaultReduceScatter())
-    for group in groups:
-        group._reduce_scatter_comm = late_comm
+    late_comm = late_gloo_reduce_scatter()
+    use_reduce_scatter(model, late_comm)
     late = _one_step(model, opt, x, step)
     late_comm.release()
     return prompt, late
