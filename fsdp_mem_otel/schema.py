@@ -149,10 +149,14 @@ class CountedModuleReport(ModuleReport):
     """A ModuleReport whose snapshots stay counter lists (``breakdown_of``) until first read: the
     tracker hands these to exporters, which read them on their own threads."""
 
-    def __init__(self, counters: dict[str, list[dict[str, list[int]]]], times: dict[str, list[int]]) -> None:
+    def __init__(self, counters: dict[str, list[dict[str, list[int]]]], times: dict[str, list[int]],
+                 peak_totals: tuple[int | None, int | None] | None = None) -> None:
         self._counters = counters
         self._snapshots: dict[str, list[DeviceBreakdown]] | None = None
         self.times = times
+        #: the largest ``total`` of ``peak_forward`` and of ``peak_backward`` (None: not reached),
+        #: computed by the recorder; None when not given (``exporters.peaks`` then reads the counters)
+        self.peak_totals = peak_totals
 
     @property  # type: ignore[override]
     def snapshots(self) -> dict[str, list[DeviceBreakdown]]:
@@ -163,6 +167,7 @@ class CountedModuleReport(ModuleReport):
     @snapshots.setter
     def snapshots(self, value: dict[str, list[DeviceBreakdown]]) -> None:
         self._snapshots = value
+        self.peak_totals = None  # they were the counters'
 
     @property
     def counters(self) -> dict[str, list[dict[str, list[int]]]] | None:

@@ -24,11 +24,13 @@ from fsdp_mem_otel.schema import (
     BEFORE_POST_FORWARD,
     BEFORE_PRE_BACKWARD,
     BEFORE_PRE_FORWARD,
+    CATEGORY_KEYS,
     FORWARD_STATES,
     PEAK_BACKWARD,
     PEAK_FORWARD,
     POST_FORWARD_AC,
     PRE_FORWARD_AC,
+    TOTAL,
     CountedModuleReport,
     ModuleReport,
 )
@@ -56,6 +58,9 @@ _PHASE_AFTER: dict[str, str] = {
 }
 _OPENS: dict[str, str] = {BEFORE_PRE_FORWARD: PEAK_FORWARD, BEFORE_PRE_BACKWARD: PEAK_BACKWARD}
 _CLOSES: dict[str, str] = {AFTER_POST_FORWARD: PEAK_FORWARD, AFTER_POST_BACKWARD: PEAK_BACKWARD}
+# where each peak state's largest total goes in ``_Calls.peaks``, and ``total`` in a counter list
+_PEAK_SLOT: dict[str, int] = {PEAK_FORWARD: 0, PEAK_BACKWARD: 1}
+_TOTAL_AT = CATEGORY_KEYS.index(TOTAL)
 
 
 class StepContext:
@@ -74,17 +79,25 @@ class StepContext:
 
 
 class _Calls:
-    """One module's raw snapshots of a step: state -> counters and times, one per call."""
+    """One module's raw snapshots of a step: state -> counters and times, one per call, and the
+    largest ``total`` of its forward and backward peaks (None: not reached)."""
 
-    __slots__ = ("snapshots", "times")
+    __slots__ = ("peaks", "snapshots", "times")
 
     def __init__(self) -> None:
         self.snapshots: dict[str, list[RawBreakdown]] = {}
         self.times: dict[str, list[int]] = {}
+        self.peaks: list[int | None] = [None, None]
+
+    def add_peak(self, slot: int, snap: RawBreakdown) -> None:
+        total = max([c[_TOTAL_AT] for c in snap.values()], default=0)
+        old = self.peaks[slot]
+        if old is None or total > old:
+            self.peaks[slot] = total
 
     def report(self) -> ModuleReport:
         """As a report (sharing these lists: the recorder starts new ones at each step)."""
-        return CountedModuleReport(self.snapshots, self.times)
+        return CountedModuleReport(self.snapshots, self.times, (self.peaks[0], self.peaks[1]))
 
 
 class StepRecorder:
@@ -200,6 +213,9 @@ class StepRecorder:
                 mod.times[state] = []
             snaps.append(snap)
             mod.times[state].append(t)
+            slot = _PEAK_SLOT.get(state)
+            if slot is not None:  # here, on the training thread, while the log is warm
+                mod.add_peak(slot, snap)
         return {key: mod.report() for key, mod in calls.items()}
 
     # -- where are we --------------------------------------------------------------------------

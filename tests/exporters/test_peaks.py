@@ -109,3 +109,14 @@ def test_prometheus_reads_module_peaks_without_building_the_dicts() -> None:
     detailed.update(r)
     detailed.exposition()
     assert built(r) == {"layers.18", "layers.17"}  # detail series: only the top-k modules' dicts
+
+
+def test_the_recorders_peak_totals_are_read_first() -> None:
+    """A report carrying the recorder's two peak totals is answered from them (not the counters),
+    until its snapshots are replaced."""
+    raw = SHAPES[0]
+    mod = CountedModuleReport({s: [dict(b) for b in c] for s, c in raw.items()}, {}, (123, None))
+    assert peaks(mod) == (123, None)
+    assert list(module_peaks({"m": mod})) == [("m", 123, 0)]
+    mod.snapshots = {s: [breakdown_of(b) for b in c] for s, c in raw.items()}
+    assert peaks(mod) == (7000, 8960)

@@ -151,3 +151,36 @@ def test_overlapping_windows_end_alone() -> None:
     rec.open_window("c", PEAK_BACKWARD)
     rec.end_window("nope", PEAK_BACKWARD)  # not open: nothing happens
     assert rec.windows == [("c", PEAK_BACKWARD)]
+
+
+def test_each_modules_peak_totals_are_those_of_its_snapshots() -> None:
+    """The recorder hands exporters each module's largest forward and backward peak (two integers,
+    computed at the step's end): equal to what the built snapshot dicts say, over two calls of
+    one module (the larger wins) and a module that never ran backward (None)."""
+    ledger = Ledger()
+    rec = StepRecorder(ledger)
+    keep = []
+    for size in (300, 100):  # "a" runs twice, its first call the larger
+        for state in FWD[:2]:
+            rec.on_state("a", state)
+        tmp = torch.empty(size)
+        ledger.track(tmp, TEMP)
+        del tmp
+        for state in FWD[2:]:
+            rec.on_state("a", state)
+    for state in FWD[:2]:
+        rec.on_state("b", state)
+    kept = torch.empty(25)
+    ledger.track(kept, ACTIVATION)
+    keep.append(kept)
+    for state in FWD[2:]:
+        rec.on_state("b", state)
+    for state in BWD:
+        rec.on_state("a", state)
+    modules = rec.modules
+    for key, mod in modules.items():
+        dicts = mod.snapshots  # built here from the counters, independently of the recorder's walk
+        want = tuple(max(_total(s) for s in dicts[p]) if p in dicts else None for p in (PEAK_FORWARD, PEAK_BACKWARD))
+        assert mod.peak_totals == want, key
+    assert modules["a"].peak_totals == (1200, 100)  # the 300-float temporary; backward: "b"'s 100 bytes
+    assert modules["b"].peak_totals == (100, None)
