@@ -58,8 +58,7 @@ _PHASE_AFTER: dict[str, str] = {
 }
 _OPENS: dict[str, str] = {BEFORE_PRE_FORWARD: PEAK_FORWARD, BEFORE_PRE_BACKWARD: PEAK_BACKWARD}
 _CLOSES: dict[str, str] = {AFTER_POST_FORWARD: PEAK_FORWARD, AFTER_POST_BACKWARD: PEAK_BACKWARD}
-# where each peak state's largest total goes in ``_Calls.peaks``, and ``total`` in a counter list
-_PEAK_SLOT: dict[str, int] = {PEAK_FORWARD: 0, PEAK_BACKWARD: 1}
+#: where ``total`` is in a counter list
 _TOTAL_AT = CATEGORY_KEYS.index(TOTAL)
 
 
@@ -79,25 +78,30 @@ class StepContext:
 
 
 class _Calls:
-    """One module's raw snapshots of a step: state -> counters and times, one per call, and the
-    largest ``total`` of its forward and backward peaks (None: not reached)."""
+    """One module's raw snapshots of a step: state -> counters and times, one per call."""
 
-    __slots__ = ("peaks", "snapshots", "times")
+    __slots__ = ("snapshots", "times")
 
     def __init__(self) -> None:
         self.snapshots: dict[str, list[RawBreakdown]] = {}
         self.times: dict[str, list[int]] = {}
-        self.peaks: list[int | None] = [None, None]
-
-    def add_peak(self, slot: int, snap: RawBreakdown) -> None:
-        total = max([c[_TOTAL_AT] for c in snap.values()], default=0)
-        old = self.peaks[slot]
-        if old is None or total > old:
-            self.peaks[slot] = total
 
     def report(self) -> ModuleReport:
-        """As a report (sharing these lists: the recorder starts new ones at each step)."""
-        return CountedModuleReport(self.snapshots, self.times, (self.peaks[0], self.peaks[1]))
+        """As a report (sharing these lists: the recorder starts new ones at each step), with its
+        peak totals computed here, on the training thread, where the counters are warm."""
+        snapshots = self.snapshots
+        return CountedModuleReport(snapshots, self.times, (_largest_total(snapshots.get(PEAK_FORWARD)),
+                                                           _largest_total(snapshots.get(PEAK_BACKWARD))))
+
+
+def _largest_total(calls: list[RawBreakdown] | None) -> int | None:
+    """The largest ``total`` over the calls and devices of one state (None: never reached)."""
+    if calls is None:
+        return None
+    if len(calls) == 1 and len(calls[0]) == 1:  # one call on one device: nearly every module
+        for counters in calls[0].values():
+            return counters[_TOTAL_AT]
+    return max([c[_TOTAL_AT] for call in calls for c in call.values()], default=0)
 
 
 class StepRecorder:
@@ -208,14 +212,12 @@ class StepRecorder:
             if mod is None:
                 mod = calls[key] = _Calls()
             snaps = mod.snapshots.get(state)
-            if snaps is None:
-                snaps = mod.snapshots[state] = []
-                mod.times[state] = []
-            snaps.append(snap)
-            mod.times[state].append(t)
-            slot = _PEAK_SLOT.get(state)
-            if slot is not None:  # here, on the training thread, while the log is warm
-                mod.add_peak(slot, snap)
+            if snaps is None:  # the usual case: one call per state
+                mod.snapshots[state] = [snap]
+                mod.times[state] = [t]
+            else:
+                snaps.append(snap)
+                mod.times[state].append(t)
         return {key: mod.report() for key, mod in calls.items()}
 
     # -- where are we --------------------------------------------------------------------------
