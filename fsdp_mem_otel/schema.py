@@ -63,6 +63,7 @@ TOTAL = Category.TOTAL
 #: Memory categories, in display order; ``total`` is their sum.
 CATEGORIES: tuple[str, ...] = tuple(c for c in Category if c is not Category.TOTAL)
 CATEGORY_KEYS: tuple[str, ...] = (*CATEGORIES, TOTAL)
+_TOTAL_AT = CATEGORY_KEYS.index(TOTAL)  # where ``total`` is in a counter list
 
 BEFORE_PRE_FORWARD = State.BEFORE_PRE_FORWARD
 AFTER_PRE_FORWARD = State.AFTER_PRE_FORWARD
@@ -174,6 +175,14 @@ class CountedModuleReport(ModuleReport):
         """State -> one ``{device: counter list}`` per call (``breakdown_of`` turns one into a
         snapshot), while ``snapshots`` has not built its dicts; None once it has (read those)."""
         return self._counters if self._snapshots is None else None
+
+
+def largest_total(calls: list[dict[str, list[int]]]) -> int:
+    """The largest ``total`` over one state's counter lists, every call and device (0 for none)."""
+    if len(calls) == 1 and len(calls[0]) == 1:  # one call on one device: nearly every module
+        for counters in calls[0].values():
+            return counters[_TOTAL_AT]
+    return max([c[_TOTAL_AT] for call in calls for c in call.values()], default=0)
 
 
 def breakdown_of(counters: dict[str, list[int]]) -> DeviceBreakdown:

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-from fsdp_mem_otel.schema import CATEGORY_KEYS, PEAK_BACKWARD, PEAK_FORWARD, TOTAL, CountedModuleReport, ModuleReport
-
-#: where ``total`` is in a counter list (``schema.breakdown_of``)
-_TOTAL_AT = CATEGORY_KEYS.index(TOTAL)
+from fsdp_mem_otel.schema import PEAK_BACKWARD, PEAK_FORWARD, CountedModuleReport, ModuleReport, largest_total
 
 #: state -> one {device: counter list} per call
 _Counters = dict[str, list[dict[str, list[int]]]]
@@ -31,14 +28,6 @@ def _counters(mod: ModuleReport) -> _Counters | None:
     return mod.counters if isinstance(mod, CountedModuleReport) else None
 
 
-def _largest(calls: list[dict[str, list[int]]]) -> int:
-    """The largest ``total`` of one state's counter lists (0 for none)."""
-    if len(calls) == 1 and len(calls[0]) == 1:  # one call on one device: nearly every module
-        for counters in calls[0].values():
-            return counters[_TOTAL_AT]
-    return max([c[_TOTAL_AT] for call in calls for c in call.values()], default=0)
-
-
 def peaks(mod: ModuleReport) -> tuple[int | None, int | None]:
     """``peak_total`` of ``peak_forward`` and of ``peak_backward`` in one call, each None when the
     module has no snapshot of that state (for the paths that run every step)."""
@@ -47,7 +36,7 @@ def peaks(mod: ModuleReport) -> tuple[int | None, int | None]:
     raw = _counters(mod)
     if raw is not None:
         fwd_calls, bwd_calls = raw.get(PEAK_FORWARD), raw.get(PEAK_BACKWARD)
-        return (_largest(fwd_calls) if fwd_calls else None), (_largest(bwd_calls) if bwd_calls else None)
+        return (largest_total(fwd_calls) if fwd_calls else None), (largest_total(bwd_calls) if bwd_calls else None)
     snapshots = mod.snapshots
     return (mod.peak_total(PEAK_FORWARD) if snapshots.get(PEAK_FORWARD) else None,
             mod.peak_total(PEAK_BACKWARD) if snapshots.get(PEAK_BACKWARD) else None)
@@ -67,9 +56,9 @@ def module_peaks(modules: Mapping[str, ModuleReport]) -> Iterator[tuple[str, int
             raw = None
         if raw is not None:
             calls = raw.get(PEAK_FORWARD)
-            fwd = _largest(calls) if calls else 0
+            fwd = largest_total(calls) if calls else 0
             calls = raw.get(PEAK_BACKWARD)
-            yield key, fwd, _largest(calls) if calls else 0
+            yield key, fwd, largest_total(calls) if calls else 0
         else:
             yield key, mod.peak_total(PEAK_FORWARD), mod.peak_total(PEAK_BACKWARD)
 

@@ -24,15 +24,14 @@ from fsdp_mem_otel.schema import (
     BEFORE_POST_FORWARD,
     BEFORE_PRE_BACKWARD,
     BEFORE_PRE_FORWARD,
-    CATEGORY_KEYS,
     FORWARD_STATES,
     PEAK_BACKWARD,
     PEAK_FORWARD,
     POST_FORWARD_AC,
     PRE_FORWARD_AC,
-    TOTAL,
     CountedModuleReport,
     ModuleReport,
+    largest_total,
 )
 from fsdp_mem_otel.training.ledger import Ledger, RawBreakdown
 
@@ -58,8 +57,6 @@ _PHASE_AFTER: dict[str, str] = {
 }
 _OPENS: dict[str, str] = {BEFORE_PRE_FORWARD: PEAK_FORWARD, BEFORE_PRE_BACKWARD: PEAK_BACKWARD}
 _CLOSES: dict[str, str] = {AFTER_POST_FORWARD: PEAK_FORWARD, AFTER_POST_BACKWARD: PEAK_BACKWARD}
-#: where ``total`` is in a counter list
-_TOTAL_AT = CATEGORY_KEYS.index(TOTAL)
 
 
 class StepContext:
@@ -90,18 +87,9 @@ class _Calls:
         """As a report (sharing these lists: the recorder starts new ones at each step), with its
         peak totals computed here, on the training thread, where the counters are warm."""
         snapshots = self.snapshots
-        return CountedModuleReport(snapshots, self.times, (_largest_total(snapshots.get(PEAK_FORWARD)),
-                                                           _largest_total(snapshots.get(PEAK_BACKWARD))))
-
-
-def _largest_total(calls: list[RawBreakdown] | None) -> int | None:
-    """The largest ``total`` over the calls and devices of one state (None: never reached)."""
-    if calls is None:
-        return None
-    if len(calls) == 1 and len(calls[0]) == 1:  # one call on one device: nearly every module
-        for counters in calls[0].values():
-            return counters[_TOTAL_AT]
-    return max([c[_TOTAL_AT] for call in calls for c in call.values()], default=0)
+        fwd, bwd = snapshots.get(PEAK_FORWARD), snapshots.get(PEAK_BACKWARD)
+        return CountedModuleReport(snapshots, self.times, (largest_total(fwd) if fwd else None,
+                                                           largest_total(bwd) if bwd else None))
 
 
 class StepRecorder:
