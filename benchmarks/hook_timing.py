@@ -13,7 +13,8 @@ per call (a timed no-op, measured in each round) times the calls is subtracted: 
 printed. Rounds interleave an untracked and a tracked run of the same
 steps on the same model; per round, the tracker's time per step is divided by that round's
 untracked step (training-thread CPU). Printed: per round and the median over rounds, and the
-last round's time and calls per entry point; ``--json PATH`` writes them.
+last round's time and calls per entry point; ``--json PATH`` writes them. ``--nested`` also times
+the methods the entry points call (``NESTED_POINTS``), to see where an entry's time goes.
 """
 
 from __future__ import annotations
@@ -56,6 +57,49 @@ def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             _depth[0] -= 1
 
     return wrapper
+
+
+#: ``--nested``: methods timed inside the entry points (every call, nested or not), to split them
+NESTED_POINTS: dict[str, tuple[str, ...]] = {
+    "fsdp_mem_otel.training.recorder.StepRecorder": ("on_state", "close_open_windows"),
+    "fsdp_mem_otel.training.ledger.Ledger": ("track_new", "raw", "open_window", "close_window_raw", "step_peak"),
+    "fsdp_mem_otel.training.adapters.fsdp2_groups.CommMirror": ("before_wait", "after_wait", "after_post_backward",
+                                                                "reconcile"),
+    "fsdp_mem_otel.training.adapters.fsdp2_groups.LightGroup": ("after_unshard", "after_wait", "after_reshard",
+                                                                "before_post_backward", "after_post_backward",
+                                                                "reconcile"),
+    "fsdp_mem_otel.training.leaks.LeakWatch": ("observe",),
+    "fsdp_mem_otel.training.adapters.fsdp2.FSDP2Adapter": ("reconcile",),
+}
+NESTED: collections.Counter[str] = collections.Counter()
+NESTED_CALLS: collections.Counter[str] = collections.Counter()
+
+
+def nested(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            NESTED[name] += time.perf_counter() - t0
+            NESTED_CALLS[name] += 1
+
+    return wrapper
+
+
+def instrument_nested() -> None:
+    """``--nested``: timers on ``NESTED_POINTS`` and on ``StepRecorder.modules`` (their own cost
+    adds to the entry points that call them: read the entry table of such a run as an upper bound)."""
+    import importlib
+
+    from fsdp_mem_otel.training.recorder import StepRecorder
+
+    for path, names in NESTED_POINTS.items():
+        module, _, cls_name = path.rpartition(".")
+        cls = getattr(importlib.import_module(module), cls_name)
+        for name in names:
+            setattr(cls, name, nested(f"{cls_name}.{name}", getattr(cls, name)))
+    StepRecorder.modules = property(nested("StepRecorder.modules", StepRecorder.modules.fget))  # type: ignore[assignment,method-assign,arg-type]
 
 
 def timer_cost(n: int = 20000) -> float:
@@ -114,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved untracked/tracked rounds (default 5)")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file (rank 0)")
+    p.add_argument("--nested", action="store_true",
+                   help="also time the methods the entry points call (NESTED_POINTS), printed in a second table")
     p.add_argument("--stub-on-state", action="store_true",
                    help="diagnostic: on_state only logs the event (its entry cost; reports not valid)")
     args = p.parse_args(argv)
@@ -137,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(cpu)
 
     instrument()
+    if args.nested:
+        instrument_nested()
     run(None)  # warm-up: optimizer state, allocator
     shares: list[float] = []
     raw_shares: list[float] = []
@@ -147,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             run(tracker)  # warm-up: first entries, learnt sizes
             TIMES.clear()
             CALLS.clear()
+            NESTED.clear()
+            NESTED_CALLS.clear()
             run(tracker)
         cost = timer_cost()
         raw = sum(TIMES.values()) / args.steps
@@ -165,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, t in TIMES.most_common():
             print(f"{name:<40} {t / args.steps * 1e6:9.1f} {CALLS[name] / args.steps:11.1f} "
                   f"{t / args.steps / base:7.2%}")
+        if NESTED:
+            print(f"\n{'inside them (--nested)':<40} {'us/step':>9} {'calls/step':>11} {'share':>7}")
+            for name, t in NESTED.most_common():
+                print(f"{name:<40} {t / args.steps * 1e6:9.1f} {NESTED_CALLS[name] / args.steps:11.1f} "
+                      f"{t / args.steps / base:7.2%}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"blocks": args.blocks, "shares": shares, "median": statistics.median(shares),
