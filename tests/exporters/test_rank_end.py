@@ -47,7 +47,8 @@ RANK = textwrap.dedent("""
         worker.mark_end("error")  # what a framework's exception hook does before closing
         exporter.shutdown()
     elif how in ("wait", "nothing_wait"):
-        time.sleep(120)  # until SIGTERM or SIGKILL
+        for _ in range(1200):  # until SIGTERM or SIGKILL, in short sleeps (one long one can miss a signal)
+            time.sleep(0.1)
     # "exit", "nothing": the interpreter exits normally
 """)
 

@@ -184,7 +184,8 @@ _CHILD = textwrap.dedent("""
     if sys.argv[2] == "exit":
         sys.exit(0)  # no shutdown(): atexit drains
     print("ready", flush=True)
-    time.sleep(60)
+    for _ in range(600):  # short sleeps: a SIGTERM landing just before one long sleep would wait it out
+        time.sleep(0.1)
 """)
 
 

@@ -217,7 +217,11 @@ _PREEMPTED = textwrap.dedent("""
         jsonl.export(report)
         prom.export(report)
     print("ready", flush=True)
-    time.sleep(60)
+    # Short sleeps, as a training loop keeps running bytecode: CPython runs a signal's Python handler
+    # between bytecodes, so a SIGTERM that lands after "ready" but before one long sleep's system
+    # call would wait the whole sleep out (1 run in 5 here: the handler never ran in time).
+    for _ in range(600):
+        time.sleep(0.1)
 """)
 
 
