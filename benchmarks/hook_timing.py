@@ -43,18 +43,24 @@ CALLS: collections.Counter[str] = collections.Counter()
 _depth = [0]
 
 
-def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+def timed(name: str, fn: Callable[..., Any], times: collections.Counter[str] = TIMES,
+          calls: collections.Counter[str] = CALLS, outermost: bool = True) -> Callable[..., Any]:
+    """``fn`` adding its time and calls under ``name``; ``outermost``: only when no other timed
+    entry point is running (nested entries count once)."""
+
+    depth = 1 if outermost else 0  # what the wrapper adds to the entry-point depth
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if _depth[0]:
+        if outermost and _depth[0]:
             return fn(*args, **kwargs)
-        _depth[0] += 1
+        _depth[0] += depth
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            TIMES[name] += time.perf_counter() - t0
-            CALLS[name] += 1
-            _depth[0] -= 1
+            times[name] += time.perf_counter() - t0
+            calls[name] += 1
+            _depth[0] -= depth
 
     return wrapper
 
@@ -76,15 +82,8 @@ NESTED_CALLS: collections.Counter[str] = collections.Counter()
 
 
 def nested(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            NESTED[name] += time.perf_counter() - t0
-            NESTED_CALLS[name] += 1
-
-    return wrapper
+    """``--nested``: ``fn`` timed at every call, inside entry points too."""
+    return timed(name, fn, NESTED, NESTED_CALLS, outermost=False)
 
 
 def instrument_nested() -> None:

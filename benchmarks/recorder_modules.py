@@ -19,22 +19,11 @@ import time
 import torch
 
 import fsdp_mem_otel
-from fsdp_mem_otel.schema import (
-    AFTER_POST_BACKWARD,
-    AFTER_POST_FORWARD,
-    AFTER_PRE_BACKWARD,
-    AFTER_PRE_FORWARD,
-    BEFORE_POST_BACKWARD,
-    BEFORE_POST_FORWARD,
-    BEFORE_PRE_BACKWARD,
-    BEFORE_PRE_FORWARD,
-    TEMP,
-)
+from fsdp_mem_otel.schema import STATES, TEMP
 from fsdp_mem_otel.training.ledger import Ledger
 from fsdp_mem_otel.training.recorder import StepRecorder
 
-FORWARD = (BEFORE_PRE_FORWARD, AFTER_PRE_FORWARD, BEFORE_POST_FORWARD, AFTER_POST_FORWARD)
-BACKWARD = (BEFORE_PRE_BACKWARD, AFTER_PRE_BACKWARD, BEFORE_POST_BACKWARD, AFTER_POST_BACKWARD)
+FORWARD, BACKWARD = STATES[:4], STATES[4:8]  # a module's four forward and four backward states, in order
 
 
 def main() -> None:
