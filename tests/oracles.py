@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_mem_otel.schema import TOTAL
+from fsdp_mem_otel.training.adapters.fsdp2 import param_groups
 
 #: the demo model the distributed tests train: BLOCKS blocks of WIDTH features, BATCH rows a step
 BLOCKS, WIDTH, BATCH = 3, 64, 16
@@ -100,9 +101,8 @@ def fsdp_fingerprint(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, 
     for path, m in model.named_modules():
         print_ids[f"{path}:pre"] = [id(h) for h in m._forward_pre_hooks.values()]
         print_ids[f"{path}:post"] = [id(h) for h in m._forward_hooks.values()]
-        state = getattr(m, "_get_fsdp_state", None)
-        if state is not None:
-            for i, group in enumerate(state()._fsdp_param_groups):
+        if hasattr(m, "_get_fsdp_state"):
+            for i, group in enumerate(param_groups(m)):
                 assert isinstance(group, FSDPParamGroup)
                 print_ids[f"{path}:group{i}"] = sorted(k for k in vars(group) if callable(vars(group)[k]))
     for name in ("_pre_backward_hook", "_post_backward_hook", "_post_backward_reshard_only_hook",
@@ -195,7 +195,7 @@ def use_reduce_scatter(model: nn.Module, comm: Any, only_default: bool = False) 
 
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            for group in m._get_fsdp_state()._fsdp_param_groups:
+            for group in param_groups(m):
                 if not only_default or type(group._reduce_scatter_comm) is DefaultReduceScatter:
                     group._reduce_scatter_comm = comm
 
@@ -233,3 +233,37 @@ def step_under_upstream(model: nn.Module, opt: torch.optim.Optimizer, x: torch.T
         deep.detach()
     return UpstreamStep(light_report, deep_report, upstream, light.errors_total + deep.errors_total,
                         light.module_keys)
+
+
+def reset_fsdp_iteration(model: nn.Module) -> None:
+    """FSDP2's recovery after an exception mid-step: ``reset_iter_state()`` on the root (torch 2.13+).
+    Torch 2.11 and 2.12 (the GPU machine's torch) have none: the same steps, by hand, on their names."""
+    if hasattr(model, "reset_iter_state"):
+        model.reset_iter_state()  # type: ignore[operator]
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    root = model._get_fsdp_state()  # type: ignore[operator]
+    stream = root._device_handle.current_stream()
+    ctx = root._comm_ctx
+    for name in ("all_gather_state", "reduce_scatter_state"):
+        pending = getattr(ctx, name, None)
+        if pending is not None and pending.event is not None:
+            stream.wait_event(pending.event)
+        setattr(ctx, name, None)
+    ctx.post_forward_order.clear()
+    for state in root._state_ctx.all_states:
+        state._training_state = TrainingState.IDLE
+        for group in param_groups(state._modules[0]):
+            result = group._all_gather_result
+            if result is not None:
+                if result.all_gather_event is not None:
+                    stream.wait_event(result.all_gather_event)
+                if isinstance(result.all_gather_work, torch.distributed.distributed_c10d.Work):
+                    result.all_gather_work.wait()
+                group._all_gather_result = None
+            group._post_forward_indices.clear()
+            group._training_state = TrainingState.IDLE
+            group._to_sharded()
+    root._state_ctx.iter_forward_root = None
+    root._state_ctx.post_backward_final_callback_queued = False

@@ -267,10 +267,12 @@ def emulate_gloo(model: nn.Module) -> None:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
+    from fsdp_mem_otel.training.adapters.fsdp2 import param_groups
+
     comm = _gloo_reduce_scatter_class()()
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            groups = m._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+            groups = param_groups(m)
             if len(groups) == 1 and type(groups[0]._reduce_scatter_comm) is DefaultReduceScatter:
                 m.set_custom_reduce_scatter(comm)
 

@@ -12,7 +12,7 @@ from fsdp_mem_otel.schema import TOTAL
 from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch, train_step
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 from tests.dist import run_ranks
-from tests.oracles import BATCH, BLOCKS, WIDTH, block_param_bytes, settle
+from tests.oracles import BATCH, BLOCKS, WIDTH, block_param_bytes, reset_fsdp_iteration, settle
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def oom_mid_step(opts_dict: dict[str, Any], where: str) -> OomRun:
             with tracker.step_scope():
                 train_step(model, opt, x, on_inputs=tracker.track_inputs)
         except torch.OutOfMemoryError:
-            model.reset_iter_state()  # type: ignore[operator]
+            reset_fsdp_iteration(model)
             opt.zero_grad(set_to_none=True)
         reports.append(tracker.step().to_dict())
     tracker.detach()

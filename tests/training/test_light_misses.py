@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from fsdp_mem_otel.schema import CATEGORY_KEYS, TOTAL
+from fsdp_mem_otel.training.adapters.fsdp2 import param_groups
 from fsdp_mem_otel.training.demo import Block, BlockModel, make_batch
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 from tests.dist import run_ranks
@@ -33,7 +34,7 @@ def _fsdp2_groups(model: nn.Module) -> list[Any]:
     groups = {}
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            for g in m._get_fsdp_state()._fsdp_param_groups:
+            for g in param_groups(m):
                 groups[id(g)] = g
     return list(groups.values())
 

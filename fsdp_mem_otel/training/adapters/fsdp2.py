@@ -85,6 +85,17 @@ from fsdp_mem_otel.training.ledger import INDEX
 _T = TypeVar("_T")
 
 
+
+def param_groups(module: nn.Module) -> list[Any]:
+    """The FSDPParamGroups of one FSDP module: ``_fsdp_param_groups`` since torch 2.13; torch 2.11
+    and 2.12 (the GPU machine's torch, benchmarks/README.md) keep at most one, ``_fsdp_param_group``."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
 class _SavedAttr(NamedTuple):
     """An instance attribute we replaced: whether it existed before, and its old value."""
 
@@ -145,8 +156,7 @@ class FSDP2Adapter:
         keys_of: dict[int, list[str]] = {}
         groups: dict[int, Any] = {}
         for key, mod in self._modules:
-            state = mod._get_fsdp_state()  # type: ignore[operator]
-            for group in state._fsdp_param_groups:
+            for group in param_groups(mod):
                 keys_of.setdefault(id(group), []).append(key)
                 groups[id(group)] = group
         for gid, group in groups.items():

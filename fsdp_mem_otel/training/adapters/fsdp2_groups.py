@@ -150,13 +150,13 @@ class CommMirror:
         return False
 
     def rs_count(self) -> int:
-        return len(getattr(self.comm, "reduce_scatter_states", ()))
+        return len(_reduce_scatter_states(self.comm))
 
     def after_post_backward(self, count_before: int, category: int, counted: bool) -> int | None:
         """After a post-backward that began with ``count_before`` retained inputs: mirror the
         oldest ones FSDP released and the one it appended; returns the appended bytes (counted
         here when ``counted``), None when it appended none."""
-        states = self.comm.reduce_scatter_states
+        states = _reduce_scatter_states(self.comm)
         newest = self._newest_rs() if self._newest_rs is not None else None
         appended = bool(states) and states[-1].reduce_scatter_input is not newest
         for _ in range(min(count_before + int(appended) - len(states), len(self.rs))):
@@ -430,3 +430,13 @@ def reduce_category(group: Any) -> str:
     group has one rank (no reduce-scatter runs: a plain copy, as upstream FSDPMemTracker says)."""
     rs_group = getattr(group, "_reduce_scatter_process_group", None)
     return TEMP if rs_group is None or rs_group.size() == 1 else REDUCE_SCATTER
+
+
+def _reduce_scatter_states(comm: Any) -> list[Any]:
+    """The reduce-scatter states FSDP retains, oldest first: ``reduce_scatter_states`` since torch
+    2.13; torch 2.11 and 2.12 (the GPU machine's torch) keep only the newest, ``reduce_scatter_state``."""
+    states = getattr(comm, "reduce_scatter_states", None)
+    if states is not None:
+        return states
+    state = getattr(comm, "reduce_scatter_state", None)
+    return [] if state is None else [state]
