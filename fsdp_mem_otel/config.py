@@ -73,9 +73,12 @@ class TrackerConfig:
         deep_every: with mode="light", run every Nth step (steps N, 2N, ...) deep; 0 = never.
         max_errors: after this many internal errors the tracker detaches itself; 0 = never.
         enabled: False makes attach() a no-op (for switching off by environment).
-        reset_peaks: on CUDA, reset the allocator's peak counters at every step end to report its
-            exact per-step peaks. Off by default: the tracker never touches the user's peaks and
-            reports the maxima it sampled at FSDP hooks instead.
+        reset_peaks: on CUDA, the tracker owns the allocator's peak counters: it reads and
+            resets them at every module window's edges and at the step end, reports the
+            allocator's exact per-step peaks, and adds to each window's and the step's ``temp``
+            what the allocator held beyond the tracked tensors (op temporaries light mode does
+            not see; ``allocator_temps.py``), about 12 us per edge. Off by default: the tracker
+            never touches the user's peaks and reports the maxima it sampled at FSDP hooks.
         activations: light mode accounts the tensors autograd saves for backward during FSDP
             forwards as ``activation`` (saved-tensor hooks; see activations.py). Turn off for
             models that call ``torch.func`` transforms inside an FSDP module's forward.

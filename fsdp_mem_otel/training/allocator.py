@@ -110,8 +110,9 @@ def cuda_stats_from(
         tracked_total: bytes the ledger accounts on this device; None leaves ``untracked_bytes`` out.
         sampled_max: the step's sampled maxima, keys ``allocated_bytes`` / ``reserved_bytes`` /
             ``active_bytes``; each peak is max(sampled, current at step end).
-        allocator_peaks: report the allocator's own ``*.all.peak`` values instead (only meaningful
-            when peaks are reset at every step, i.e. ``reset_peaks=True``).
+        allocator_peaks: report the allocator's own ``*.all.peak`` values instead, each the larger
+            of it and ``sampled_max`` (the peaks read where they were reset mid-step); only
+            meaningful when peaks are reset at every step, i.e. ``reset_peaks=True``.
     """
     allocated = int(memory_stats.get(_ALLOCATED, 0))
     reserved = int(memory_stats.get(_RESERVED, 0))
@@ -122,8 +123,8 @@ def cuda_stats_from(
     }
     sampled = sampled_max or {}
     for stat, (peak_key, stats_key) in _PEAK_OF.items():
-        if allocator_peaks:
-            out[peak_key] = int(memory_stats.get(stats_key, out[stat]))
+        if allocator_peaks:  # since the last reset, and the maxima read at earlier resets
+            out[peak_key] = max(int(memory_stats.get(stats_key, out[stat])), int(sampled.get(stat, 0)))
         else:
             out[peak_key] = max(int(sampled.get(stat, 0)), int(out[stat]))
     out["inactive_split_bytes"] = int(memory_stats.get(_INACTIVE_SPLIT, 0))
@@ -270,6 +271,28 @@ class AllocatorProbe:
                 m["reserved_bytes"] = reserved
             if active > m["active_bytes"]:
                 m["active_bytes"] = active
+
+    def window_edge(self) -> dict[str, tuple[int, int]]:
+        """With ``reset_peaks``: read and reset each watched device's peaks (``AllocatorTemps``
+        calls this at every peak-window edge); device key -> (allocated peak since the last
+        edge, allocated now). The three peaks also go into the step's maxima, which
+        ``step_stats`` reports with the allocator's peak since the last edge."""
+        out: dict[str, tuple[int, int]] = {}
+        if not self._cuda or not self.reset_peaks:
+            return out
+        self._discover()
+        for idx, key in self._devices.items():
+            stats = torch.cuda.memory_stats_as_nested_dict(idx)
+            if not stats:
+                continue
+            torch.cuda.reset_peak_memory_stats(idx)
+            m = self._max.setdefault(key, {})
+            for stat in SAMPLED:
+                peak = stats[stat]["all"]["peak"]
+                if peak > m.get(stat, 0):
+                    m[stat] = peak
+            out[key] = (stats["allocated_bytes"]["all"]["peak"], stats["allocated_bytes"]["all"]["current"])
+        return out
 
     def outside_pytorch(self) -> dict[str, int]:
         """Now, per watched CUDA device: bytes in use outside PyTorch's allocator (for an OOM's

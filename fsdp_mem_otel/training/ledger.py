@@ -146,6 +146,7 @@ class Ledger:
         # count_fake(): an estimate's fake tensors count as memory on this device
         self.fake_mode: Any = None
         self._fake_device: torch.device | None = None
+        self.window_watch: Any = None  # told of window edges (allocator_temps.AllocatorTemps) or None
 
     def count_fake(self, fake_mode: Any, device: torch.device) -> None:
         """Account the tensors of ``fake_mode`` (a FakeTensorMode) as memory on ``device``
@@ -355,21 +356,21 @@ class Ledger:
         """Start a nested peak window (a module's forward or backward)."""
         if self._windows:
             self._windows[-1].settle(self._cur)  # it stops receiving offers now
+        if self.window_watch is not None:
+            self.window_watch.opened(self._cur)
         self._windows.append(_Window(self._cur))
 
-    def close_window(self) -> DeviceBreakdown:
-        """End the innermost window; return its peak breakdown and fold it into the enclosing one."""
-        return as_breakdown(self.close_window_raw())
-
     def close_window_raw(self) -> RawBreakdown:
-        """``close_window``, returning the peak as raw counters (what a snapshot keeps)."""
+        """End the innermost window; return its peak as raw counters (what a snapshot keeps; see
+        ``as_breakdown``) and fold it into the enclosing one."""
         if not self._windows:
             return {}
         w = self._windows.pop()
         w.settle(self._cur)
         if self._windows:
             self._windows[-1].absorb(w)
-        return w.snap  # the window is gone; its counter lists are replaced, never changed in place
+        # the window is gone; its counter lists are replaced, never changed in place
+        return w.snap if self.window_watch is None else self.window_watch.closed(len(self._windows), w.snap)
 
     def close_window_at(self, index: int) -> RawBreakdown:
         """End the window at ``index`` of the open ones (0 = outermost), which need not be the
@@ -384,7 +385,8 @@ class Ledger:
         del self._windows[index]
         if index > 0:
             self._windows[index - 1].absorb(w)
-        return {d: c[:] for d, c in w.snap.items()}
+        snap = {d: c[:] for d, c in w.snap.items()}
+        return snap if self.window_watch is None else self.window_watch.closed(index, snap)
 
     @property
     def open_windows(self) -> int:
@@ -397,14 +399,11 @@ class Ledger:
             out[d] = c[:]
         return out
 
-    @property
-    def current(self) -> DeviceBreakdown:
-        """The current breakdown, ``{device: {category: bytes}}`` (a copy)."""
+    def snapshot(self) -> DeviceBreakdown:
+        """The current breakdown, ``{device: {category: bytes}}`` (a copy; also ``current``)."""
         return as_breakdown(self._cur)
 
-    def snapshot(self) -> DeviceBreakdown:
-        """A copy of the current breakdown."""
-        return as_breakdown(self._cur)
+    current = property(snapshot)
 
     def category_bytes(self, category: str) -> int:
         """Bytes of ``category`` now, summed over devices."""
@@ -413,7 +412,8 @@ class Ledger:
 
     def step_peak(self) -> DeviceBreakdown:
         self._step.settle(self._cur)
-        return as_breakdown(self._step.snap)
+        peak = as_breakdown(self._step.snap)
+        return peak if self.window_watch is None else self.window_watch.step_peak(peak)
 
     def reset_step(self) -> None:
         """Start a new step: the step peak restarts from what is live now; windows are dropped."""

@@ -34,6 +34,7 @@ from fsdp_mem_otel.schema import INPUTS, WARNING_NOTHING_SHARDED, WARNING_OPTIMI
 from fsdp_mem_otel.training.adapters import make_adapter
 from fsdp_mem_otel.training.adapters.base import iter_tensors
 from fsdp_mem_otel.training.allocator import AllocatorProbe
+from fsdp_mem_otel.training.allocator_temps import allocator_temps
 from fsdp_mem_otel.training.compile_support import keep_out_of_dynamo
 from fsdp_mem_otel.training.containment import ErrorPolicy, StepAborts
 from fsdp_mem_otel.training.deep_steps import DeepSteps
@@ -89,14 +90,14 @@ class FSDPMemoryTracker:
         config = _checked(model, mode, deep_every, config, exporters)
         optimizers = unwrap_optimizers(optimizer)
         self.exporters = list(exporters)
-        self.config = config
-        self.model = model
+        self.config, self.model = config, model
         self._errors = ErrorPolicy(config.max_errors, self.detach)
         self.ledger = Ledger()
         self.context = StepContext()
         self.recorder = StepRecorder(self.ledger, self.context)
         self._optimizers = OptimizerWatch(optimizers, self.ledger, self.context, self.report_error)
         self._probe = AllocatorProbe(reset_peaks=config.reset_peaks)
+        self.ledger.window_watch = allocator_temps(self._probe, config.reset_peaks)
         self._sink = Sink(self.ledger, self.recorder, self.report_error, self._probe.sample, config.activations)
         self._aborts = StepAborts(self.recorder, self.ledger, self._probe, self.report_error)
         self._leaks = LeakWatch(config.leak_window)

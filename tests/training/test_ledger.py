@@ -3,7 +3,7 @@
 import torch
 
 from fsdp_mem_otel.schema import ACTIVATION, ALL_GATHER, TEMP, TOTAL
-from fsdp_mem_otel.training.ledger import Ledger
+from fsdp_mem_otel.training.ledger import Ledger, as_breakdown
 
 
 def test_track_counts_storage_once_and_frees_on_gc() -> None:
@@ -52,11 +52,11 @@ def test_step_and_window_peaks_nest() -> None:
     big = torch.empty(100)
     ledger.track(big, TEMP)
     del big
-    inner = ledger.close_window()
+    inner = as_breakdown(ledger.close_window_raw())
     assert inner["cpu"][TOTAL] == 440 and inner["cpu"][TEMP] == 400
     small = torch.empty(50)
     ledger.track(small, TEMP)
-    outer = ledger.close_window()
+    outer = as_breakdown(ledger.close_window_raw())
     assert outer["cpu"][TOTAL] == 440  # the inner peak folded into the outer window
     assert ledger.step_peak()["cpu"][TOTAL] == 440
     ledger.reset_step()
@@ -75,7 +75,7 @@ def test_peak_breakdown_is_the_one_at_the_peak_instant() -> None:
     del b  # 400
     c = torch.empty(25)  # 100 B: total 500, below the peak
     ledger.track(c, TEMP)
-    window = ledger.close_window()["cpu"]
+    window = as_breakdown(ledger.close_window_raw())["cpu"]
     assert (window[TOTAL], window[ACTIVATION], window[TEMP], window[ALL_GATHER]) == (600, 400, 200, 0)
     step = ledger.step_peak()["cpu"]
     assert step == window
@@ -87,10 +87,10 @@ def test_inner_window_peak_is_kept_when_the_outer_grows_later() -> None:
     ledger.open_window()  # inner
     big = torch.empty(100)
     ledger.track(big, TEMP)  # 400, inner peak (live)
-    inner = ledger.close_window()["cpu"]
+    inner = as_breakdown(ledger.close_window_raw())["cpu"]
     more = torch.empty(200)
     ledger.track(more, ACTIVATION)  # 1200: outer peak, after the inner closed
-    outer = ledger.close_window()["cpu"]
+    outer = as_breakdown(ledger.close_window_raw())["cpu"]
     assert inner[TOTAL] == 400 and inner[ACTIVATION] == 0
     assert outer[TOTAL] == 1200 and outer[ACTIVATION] == 800 and outer[TEMP] == 400
 
