@@ -30,7 +30,8 @@ integers moved by these events (``fsdp2_groups.LightGroup``: constant work per g
 number of parameters); deep steps, and a group whose events cannot tell its bytes (counted in
 ``fallback_groups``), track the same buffers per tensor (``TensorGroup``). Both release the
 all-gather and reduce-scatter buffers when FSDP lets go of them, not when a communication thread
-that still holds one frees it.
+that still holds one frees it; on CUDA, per-tensor accounting keeps them until they are freed
+(ProcessGroupNCCL holds a collective's tensors a while longer, and the allocator counts them).
 - sharded_param: each FSDPParam's local shard (``sharded_param``), at attach; parameters FSDP does
   not manage (``ignored_params``) count here too, whole.
 - unsharded_param: ``all_gather_outputs`` after ``wait_for_unshard``, until ``reshard``. With

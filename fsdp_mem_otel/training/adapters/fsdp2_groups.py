@@ -99,7 +99,8 @@ class CommMirror:
     the next copy-out in forward, and the reduce-scatter inputs it retains. Every group's events
     pass through it, so it stays aligned with FSDP's own state; it releases each buffer when FSDP
     lets go of it (whatever thread of the communication backend still holds it), as light mode's
-    integers and as per-tensor accounting's entries (forgotten then), so both agree."""
+    integers and as per-tensor accounting's entries (forgotten then), so both agree. On CUDA,
+    per-tensor entries stay until the storage is freed, as the allocator counts them."""
 
     def __init__(self, comm: Any, sink: EventSink) -> None:
         self.comm = comm
@@ -111,7 +112,9 @@ class CommMirror:
     def _release(self, held: _Held) -> None:
         if held.nbytes:
             self._sink.add(held.dev, held.cat, -held.nbytes)
-        elif held.ref is not None and (t := held.ref()) is not None:
+        elif held.ref is not None and (t := held.ref()) is not None and t.device.type != "cuda":
+            # On CUDA a storage accounted per tensor stays until it is freed: the allocator counts
+            # what ProcessGroupNCCL still holds of a collective's input after FSDP let go of it.
             self._sink.forget(t)
 
     def reconcile(self) -> None:
@@ -120,7 +123,7 @@ class CommMirror:
         final callback)."""
         if self.deferred is not None and getattr(self.comm, "all_gather_state", None) is None:
             self._release_deferred()
-        states = getattr(self.comm, "reduce_scatter_states", ())
+        states = _reduce_scatter_states(self.comm)
         while len(self.rs) > len(states):
             self._release(self.rs.pop(0))
 
