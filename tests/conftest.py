@@ -44,3 +44,15 @@ def runs(request: pytest.FixtureRequest) -> list[dict[str, RunResult]]:
 def rank(request: pytest.FixtureRequest) -> int:
     """Each rank of a run_ranks() result in a test of its own (the run itself is a shared fixture)."""
     return int(request.param)
+
+
+@pytest.fixture(scope="session")
+def one_rank_nccl() -> Any:
+    """A 1-rank NCCL group on GPU 0 for the CUDA tests (they skip without a GPU; CI has none)."""
+    import torch.distributed as dist
+
+    from tests.cuda_llama import init_one_rank_nccl
+
+    init_one_rank_nccl()
+    yield
+    dist.destroy_process_group()
