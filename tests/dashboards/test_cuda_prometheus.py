@@ -90,29 +90,17 @@ def _values(run: dict[str, Any]) -> dict[str, list[str]]:
 
 
 def test_cuda_only_queries_answer_for_a_real_cuda_run(scraped: dict[str, Any]) -> None:
-    from fsdp_mem_otel.fleet import dashboards as dash
-    from tests.dashboards.test_dashboards import EXPECTED_CUDA_ONLY, substitute, targets
-    from tests.dashboards.test_live_prometheus import _api, _has_finite
+    from tests.dashboards.test_dashboards import EXPECTED_CUDA_ONLY
+    from tests.dashboards.test_live_prometheus import _has_finite, dashboard_answers
 
     assert scraped["errors"] == 0
     end = scraped["t_end"]
-    start = max(scraped["t_start"], end - 10)
-    values = _values(scraped)
     failures, answers = [], {}
-    for d in dash.build_dashboards():
-        for panel, t in targets(d.json):
-            key = (d.uid, panel["title"], t["refId"])
-            if key not in EXPECTED_CUDA_ONLY:
-                continue
-            expr = substitute(t["expr"], d.json, values)
-            if t.get("instant"):
-                data = _api(scraped["base"], "/api/v1/query", {"query": expr, "time": end})
-            else:
-                data = _api(scraped["base"], "/api/v1/query_range", {"query": expr, "start": start, "end": end,
-                                                                      "step": 1})
-            answers[" / ".join(key)] = data["result"][:2]
-            if not _has_finite(data):
-                failures.append(f"{' / '.join(key)}: no data\n  {expr}")
+    for key, expr, data in dashboard_answers(scraped["base"], _values(scraped), max(scraped["t_start"], end - 10),
+                                             end, EXPECTED_CUDA_ONLY):
+        answers[" / ".join(key)] = data["result"][:2]
+        if not _has_finite(data):
+            failures.append(f"{' / '.join(key)}: no data\n  {expr}")
     print("GPU-RESULT", json.dumps({"test": "cuda_prometheus", "answers": answers}, default=str)[:20000])
     assert not failures, "\n".join(failures)
     assert len(answers) == len(EXPECTED_CUDA_ONLY)

@@ -179,6 +179,23 @@ def _values(live: dict[str, Any], gpu: bool = False, leak: bool = False) -> dict
     }
 
 
+def dashboard_answers(base: str, values: dict[str, list[str]], start: float, end: float,
+                      only: set[tuple[str, str, str]] | None = None) -> Iterator[tuple[tuple[str, str, str], str, Any]]:
+    """(dashboard uid, panel title, refId), query, Prometheus' data for every panel target (or those
+    in ``only``): range queries over start..end, instant queries (tables, stats) at ``end``."""
+    for d in dash.build_dashboards():
+        for panel, t in targets(d.json):
+            key = (d.uid, panel["title"], t["refId"])
+            if only is not None and key not in only:
+                continue
+            expr = substitute(t["expr"], d.json, values)
+            if t.get("instant"):
+                data = _api(base, "/api/v1/query", {"query": expr, "time": end})
+            else:
+                data = _api(base, "/api/v1/query_range", {"query": expr, "start": start, "end": end, "step": 1})
+            yield key, expr, data
+
+
 def _has_finite(data: dict[str, Any]) -> bool:
     if data["resultType"] == "matrix":
         points = [v for series in data["result"] for _, v in series["values"]]
@@ -222,21 +239,14 @@ def test_every_dashboard_query_returns_data(live: dict[str, Any]) -> None:
     answered: set[tuple[str, str, str]] = set()
     failures = []
     results: dict[tuple[str, str, str], Any] = {}
-    for d in dash.build_dashboards():
-        for panel, t in targets(d.json):
-            key = (d.uid, panel["title"], t["refId"])
-            expr = substitute(t["expr"], d.json, values)
-            if t.get("instant"):
-                data = _api(live["base"], "/api/v1/query", {"query": expr, "time": end})
-            else:
-                data = _api(live["base"], "/api/v1/query_range", {"query": expr, "start": start, "end": end, "step": 1})
-            results[key] = data
-            if _has_finite(data):
-                answered.add(key)
-            else:
-                empty.add(key)
-                if key not in EXPECTED_CUDA_ONLY | EXPECTED_LEAK_ONLY:
-                    failures.append(f"{d.uid} / {panel['title']} / {t['refId']}: no data\n  {expr}")
+    for key, expr, data in dashboard_answers(live["base"], values, start, end):
+        results[key] = data
+        if _has_finite(data):
+            answered.add(key)
+        else:
+            empty.add(key)
+            if key not in EXPECTED_CUDA_ONLY | EXPECTED_LEAK_ONLY:
+                failures.append(f"{' / '.join(key)}: no data\n  {expr}")
     assert not failures, "\n".join(failures)
     # CPU only and healthy: every CUDA-only and every leak target stays empty
     assert empty == EXPECTED_CUDA_ONLY | EXPECTED_LEAK_ONLY, (
@@ -258,19 +268,10 @@ def test_cuda_only_queries_answer_for_a_cuda_job(live: dict[str, Any]) -> None:
     values = _values(live, gpu=True)
     failures = []
     checked = set()
-    for d in dash.build_dashboards():
-        for panel, t in targets(d.json):
-            key = (d.uid, panel["title"], t["refId"])
-            if key not in EXPECTED_CUDA_ONLY:
-                continue
-            expr = substitute(t["expr"], d.json, values)
-            if t.get("instant"):
-                data = _api(live["base"], "/api/v1/query", {"query": expr, "time": end})
-            else:
-                data = _api(live["base"], "/api/v1/query_range", {"query": expr, "start": start, "end": end, "step": 1})
-            checked.add(key)
-            if not _has_finite(data):
-                failures.append(f"{d.uid} / {panel['title']} / {t['refId']}: no data\n  {expr}")
+    for key, expr, data in dashboard_answers(live["base"], values, start, end, EXPECTED_CUDA_ONLY):
+        checked.add(key)
+        if not _has_finite(data):
+            failures.append(f"{' / '.join(key)}: no data\n  {expr}")
     assert not failures, "\n".join(failures)
     assert checked == EXPECTED_CUDA_ONLY
     # with a device capacity, the headroom table shows headroom, not the host fallback
