@@ -86,7 +86,6 @@ from fsdp_mem_otel.training.ledger import INDEX
 _T = TypeVar("_T")
 
 
-
 def param_groups(module: nn.Module) -> list[Any]:
     """The FSDPParamGroups of one FSDP module: ``_fsdp_param_groups`` since torch 2.13; torch 2.11
     and 2.12 (the GPU machine's torch, benchmarks/README.md) keep at most one, ``_fsdp_param_group``."""
@@ -96,6 +95,7 @@ def param_groups(module: nn.Module) -> list[Any]:
         return list(groups)
     group = getattr(state, "_fsdp_param_group", None)
     return [] if group is None else [group]
+
 
 class _SavedAttr(NamedTuple):
     """An instance attribute we replaced: whether it existed before, and its old value."""
