@@ -161,34 +161,29 @@ class AllocatorWindows:
             self.closed.append((w.active, w.allocated))
             self.untracked.append(torch.cuda.memory_allocated() - ledger.raw().get("cuda:0", [0])[-1])
 
-        def opened() -> None:
+        def pushed() -> None:
+            self._open.append(_Open(*_peaks()))  # just reset: the peaks are what is allocated now
+
+        def at_edge(call: Any, then: Any) -> Any:
+            """Read, mirror, call the ledger; shared: call the ledger (its edge reads), mirror."""
             if not self.shared:
                 self.read()
-            else:
-                open_window()  # its edge reads
-            self._open.append(_Open(*_peaks()))  # just reset: the peaks are what is allocated now
-            if not self.shared:
-                open_window()
+                then()
+                return call()
+            out = call()
+            then()
+            return out
+
+        def opened() -> None:
+            at_edge(open_window, pushed)
 
         def closed_raw() -> Any:
-            if self.shared:
-                out = close_raw()
-                popped()
-                return out
-            self.read()
-            popped()
-            return close_raw()
+            return at_edge(close_raw, popped)
 
         def closed_at(index: int) -> Any:
             if index in (-1, len(self._open) - 1):
                 return closed_raw()
-            if self.shared:
-                out = close_at(index)
-                popped(index)
-                return out
-            self.read()
-            popped(index)
-            return close_at(index)
+            return at_edge(lambda: close_at(index), lambda: popped(index))
 
         ledger.open_window, ledger.close_window_raw, ledger.close_window_at = opened, closed_raw, closed_at
 
