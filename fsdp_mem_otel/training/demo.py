@@ -7,6 +7,7 @@ dispatch-bound (per-op overhead dominates, as on a GPU), with a large width comp
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -326,5 +327,18 @@ def add_demo_args(p: Any) -> None:
                         "(default: FSDP_MEM_OTEL_JSONL)")
 
 
+def _exit_without_finalizing(code: int) -> None:
+    """Leave the rank process once its output is flushed, skipping interpreter finalization.
+
+    FSDP keeps references to the gloo process group past ``destroy_process_group`` (its
+    refcount stays above 15 with no tracker attached), so the group is destructed while the
+    interpreter is being torn down, where gloo's worker threads can abort the process
+    ("terminate called without an active exception", SIGABRT after a successful run). The
+    tracker and its exporters are closed by then; nothing is left to flush but stdio."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(run_demo())
+    _exit_without_finalizing(run_demo())
