@@ -151,6 +151,42 @@ def stub_on_state() -> None:
     sink.Sink.on_state = on_state  # type: ignore[method-assign]
 
 
+def stub_all() -> None:
+    """Diagnostic (``--stub-all``): every entry point returns at once, with the same calls per
+    step: on_state logs the event and pushes and pops the saved-tensor hooks (so the pack hook
+    is still called), the pack hook returns the detached alias, the group and optimizer events do
+    nothing; no entry is made, so no free callback runs. What is left is the floor of a design
+    with these entry points: being called, in place. Reports of such a run are not valid."""
+    from fsdp_mem_otel.schema import AFTER_POST_FORWARD, BEFORE_PRE_FORWARD
+
+    depth = [0]
+
+    def on_state(self: sink.Sink, key: str, state: str, tensors: object = None, windowed: bool = True) -> None:
+        if self.active:
+            self.recorder._log.append((key, state, {}, 0))
+            if state == BEFORE_PRE_FORWARD and sink._in_backward() == -1:
+                depth[0] += 1
+                if depth[0] == 1:
+                    self.activations.push()
+            elif state == AFTER_POST_FORWARD and sink._in_backward() == -1 and depth[0]:
+                depth[0] -= 1
+                if not depth[0]:
+                    self.activations.pop()
+
+    def nothing(*_: Any, **__: Any) -> None:
+        return None
+
+    sink.Sink.on_state = on_state  # type: ignore[method-assign]
+    for name in ("after_unshard", "before_wait", "after_wait", "after_reshard", "after_post_backward"):
+        setattr(fsdp2._Accounts, name, nothing)
+    fsdp2._Accounts.before_post_backward = lambda self: 0  # type: ignore[method-assign]
+    for name in ("_forward_begins", "_forward_ends"):
+        setattr(fsdp2.FSDP2Adapter, name, nothing)
+    activations.SavedTensorAccounting._pack = lambda self, t: t.detach()  # type: ignore[method-assign]
+    for name in ("_on_pre", "_on_post"):
+        setattr(optimizers.OptimizerWatch, name, nothing)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", type=int, default=16)
@@ -161,9 +197,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time the methods the entry points call (NESTED_POINTS), printed in a second table")
     p.add_argument("--stub-on-state", action="store_true",
                    help="diagnostic: on_state only logs the event (its entry cost; reports not valid)")
+    p.add_argument("--stub-all", action="store_true",
+                   help="diagnostic: every entry point returns at once (the floor of being called; reports not valid)")
     args = p.parse_args(argv)
     if args.stub_on_state:
         stub_on_state()
+    if args.stub_all:
+        stub_all()
     rank, _ = init_distributed()
     model, opt = build(args.blocks, 64, WrapOptions(fsdp=2))
     xs = [make_batch(i, 8, 64, rank) for i in range(args.steps)]
