@@ -187,6 +187,27 @@ def stub_all() -> None:
         setattr(optimizers.OptimizerWatch, name, nothing)
 
 
+def stub_activation_entries() -> None:
+    """Diagnostic (``--stub-activation-entries``): the pack hook adds a new storage's bytes as an
+    integer, with no entry and no weak reference (so no free callback, and the bytes never leave):
+    what light mode's per-storage bookkeeping of activations costs, beside the rest. Reports of
+    such a run are not valid."""
+    import torch
+
+    from fsdp_mem_otel.training.ledger import INDEX
+
+    act = INDEX["activation"]
+
+    def pack(self: activations.SavedTensorAccounting, t: torch.Tensor) -> torch.Tensor:
+        if type(t) is torch.Tensor and t.layout is torch.strided:
+            st = t.untyped_storage()
+            if id(st) not in self._entries:
+                self._ledger._add("cpu", act, st.nbytes())
+        return t.detach()
+
+    activations.SavedTensorAccounting._pack = pack  # type: ignore[method-assign]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", type=int, default=16)
@@ -199,7 +220,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="diagnostic: on_state only logs the event (its entry cost; reports not valid)")
     p.add_argument("--stub-all", action="store_true",
                    help="diagnostic: every entry point returns at once (the floor of being called; reports not valid)")
+    p.add_argument("--stub-activation-entries", action="store_true",
+                   help="diagnostic: saved activations as integers, no entry or weak reference (reports not valid)")
     args = p.parse_args(argv)
+    if args.stub_activation_entries:
+        stub_activation_entries()
     if args.stub_on_state:
         stub_on_state()
     if args.stub_all:
