@@ -159,19 +159,14 @@ def stub_all() -> None:
     with these entry points: being called, in place. Reports of such a run are not valid."""
     from fsdp_mem_otel.schema import AFTER_POST_FORWARD, BEFORE_PRE_FORWARD
 
-    depth = [0]
-
     def on_state(self: sink.Sink, key: str, state: str, tensors: object = None, windowed: bool = True) -> None:
         if self.active:
             self.recorder._log.append((key, state, {}, 0))
-            if state == BEFORE_PRE_FORWARD and sink._in_backward() == -1:
-                depth[0] += 1
-                if depth[0] == 1:
-                    self.activations.push()
-            elif state == AFTER_POST_FORWARD and sink._in_backward() == -1 and depth[0]:
-                depth[0] -= 1
-                if not depth[0]:
-                    self.activations.pop()
+            if sink._in_backward() == -1:  # the sink's own push and pop of the saved-tensor hooks
+                if state == BEFORE_PRE_FORWARD:
+                    self._forward_begins()
+                elif state == AFTER_POST_FORWARD:
+                    self._forward_ends()
 
     def nothing(*_: Any, **__: Any) -> None:
         return None
@@ -194,15 +189,13 @@ def stub_activation_entries() -> None:
     such a run are not valid."""
     import torch
 
-    from fsdp_mem_otel.training.ledger import INDEX
-
-    act = INDEX["activation"]
+    act = ledger.INDEX["activation"]
 
     def pack(self: activations.SavedTensorAccounting, t: torch.Tensor) -> torch.Tensor:
         if type(t) is torch.Tensor and t.layout is torch.strided:
             st = t.untyped_storage()
             if id(st) not in self._entries:
-                self._ledger._add("cpu", act, st.nbytes())
+                self._ledger._add("cpu", act, st.nbytes())  # this benchmark runs on CPU
         return t.detach()
 
     activations.SavedTensorAccounting._pack = pack  # type: ignore[method-assign]
