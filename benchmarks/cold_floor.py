@@ -10,7 +10,10 @@ each operation is timed call by call, once back to back (warm: the code and data
 in the CPU caches) and once with a torch op between calls that, like a training step's kernels,
 pushes them out of the caches (cold: a 256x256 matmul and a pass over an 8 MiB tensor). Timed:
 
-- an empty Python function (the least a hook can cost),
+- an empty Python function (the least a hook can cost), and one against five nested method calls
+  (what each further frame on a hot path adds),
+- the parts of a saved activation's entry: its storage, device, size, weak reference, ledger entry;
+  and a snapshot as one counter list against the ``{device: counters}`` dict the ledger copies,
 - ``t.detach()`` (what the saved-tensor pack hook must return),
 - the pack hook on a storage the ledger knows and on a new one (its entry and weak reference),
 - ``Sink.on_state`` through a module's four forward states (snapshots, window open and close).
@@ -26,6 +29,7 @@ import argparse
 import statistics
 import sys
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -65,15 +69,57 @@ def _fresh_sink() -> Sink:
     return sink
 
 
+class _Chain:
+    """Methods calling each other: what one more Python frame on a hot path costs, cold."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def five(self) -> None:
+        self.four()
+
+    def four(self) -> None:
+        self.three()
+
+    def three(self) -> None:
+        self.two()
+
+    def two(self) -> None:
+        self.one()
+
+    def one(self) -> None:
+        self.n += 1
+
+
+def _on_free(_ref: object) -> None:
+    return None
+
+
 def operations(calls: int) -> dict[str, Callable[[int], object]]:
     """The timed operations, each ``op(i)`` on the i-th of ``calls`` fresh tensors."""
     tensors = [torch.randn(32, 32) for _ in range(calls)]
+    storages = [t.untyped_storage() for t in tensors]
     known, new, states = _fresh_sink(), _fresh_sink(), _fresh_sink()
     for t in tensors:
         known.activations._pack(t)  # their storages are known from now on
+    chain = _Chain()
+    counters = [10**9 + 4096 * i for i in range(13)]  # one device's counters, as the ledger keeps them
+    per_device = {"cpu": counters}
+    entries: dict[int, list[object]] = {}
     return {
         "empty Python call": lambda i: _empty(tensors[i]),
+        "one method call": lambda i: chain.one(),
+        "five nested method calls": lambda i: chain.five(),
         "t.detach()": lambda i: tensors[i].detach(),
+        "t.untyped_storage()": lambda i: tensors[i].untyped_storage(),
+        "storage.device": lambda i: storages[i].device,
+        "storage.nbytes()": lambda i: storages[i].nbytes(),
+        "weakref.KeyedRef(storage)": lambda i: weakref.KeyedRef(storages[i], _on_free, i),
+        "a ledger entry (list, dict insert)": lambda i: entries.__setitem__(i, ["cpu", 3, 4096, None, 1, None]),
+        "snapshot: counters list copy": lambda i: counters[:],
+        "snapshot: {device: counters copy}": lambda i: {d: c[:] for d, c in per_device.items()},
         "pack hook, known storage": lambda i: known.activations._pack(tensors[i]),
         "pack hook, new storage": lambda i: new.activations._pack(tensors[i]),
         "Sink.on_state (forward states)": lambda i: states.on_state(f"m{i // 4 % 16}", _STATES[i % 4]),
