@@ -111,6 +111,8 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_SIZE, 
             p.kill()
             p.join()
     if errors or len(results) != world_size:
-        detail = errors or [f"only ranks {sorted(results)} returned (timeout {timeout}s or a crash)"]
+        codes = {r: p.exitcode for r, p in enumerate(procs)}  # negative: killed by that signal
+        detail = errors or [f"only ranks {sorted(results)} returned (timeout {timeout}s or a crash; "
+                            f"exit codes {codes})"]
         raise RuntimeError("distributed test failed:\n" + "\n".join(detail))
     return [results[r] for r in range(world_size)]
