@@ -45,7 +45,7 @@ is tested on recorded dicts without a GPU.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -243,6 +243,11 @@ class AllocatorProbe:
                 torch.cuda.reset_peak_memory_stats(idx)
             self._max.pop(key, None)
         self.sample()
+
+    @property
+    def sampler(self) -> Callable[[], None] | None:
+        """``sample``, or None where it does nothing (no CUDA, or peaks reset per step)."""
+        return self.sample if self._cuda and not self.reset_peaks else None
 
     def sample(self) -> None:
         """Fold the current allocated / reserved / active bytes into the step's maxima."""

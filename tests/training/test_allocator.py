@@ -288,6 +288,19 @@ def test_probe_sample_uses_one_cheap_call(fake_cuda: FakeCuda) -> None:
     assert fake_cuda.calls == ["nested"]  # one C call per device, no flat dict per sample
 
 
+def test_probe_sampler_only_where_sampling_reads_something(fake_cuda: FakeCuda,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # the sink calls the sampler at every window end: None where sample() would return at once
+    probe = AllocatorProbe()
+    assert probe.sampler == probe.sample
+    fake_cuda.calls.clear()
+    probe.sampler()  # type: ignore[misc]
+    assert fake_cuda.calls == ["nested"]
+    assert AllocatorProbe([0], reset_peaks=True).sampler is None  # the allocator keeps the peaks
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert AllocatorProbe().sampler is None
+
+
 def test_probe_reset_peaks(fake_cuda: FakeCuda) -> None:
     fake_cuda.set(5000, 8000)  # a peak from before the tracker started
     fake_cuda.set(100, 8000)

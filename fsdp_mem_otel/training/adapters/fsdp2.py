@@ -405,7 +405,7 @@ class _Accounts:
         current = self.current
         appended = None
         if count is not None:
-            appended = self._mirror.after_post_backward(count, self._rs_cat, current is self.light)
+            appended = self._mirror.after_post_backward(count, self._rs_cat, current is self.light, self.light.dev)
         current.after_post_backward(appended)
         if current is self.light and self.light.unfit is not None:
             self._fall_back()
