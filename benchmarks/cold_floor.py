@@ -13,7 +13,7 @@ pushes them out of the caches (cold: a 256x256 matmul and a pass over an 8 MiB t
 - an empty Python function (the least a hook can cost), and one against five nested method calls
   (what each further frame on a hot path adds),
 - the parts of a saved activation's entry: its storage, device, size, weak reference, ledger entry;
-  and a snapshot as one counter list against the ``{device: counters}`` dict the ledger copies,
+  and a snapshot as one counter list against ``Ledger.raw()`` (the ``{device: counters}`` copy),
 - ``t.detach()`` (what the saved-tensor pack hook must return),
 - the pack hook on a storage the ledger knows and on a new one (its entry and weak reference),
 - ``Sink.on_state`` through a module's four forward states (snapshots, window open and close).
@@ -105,8 +105,10 @@ def operations(calls: int) -> dict[str, Callable[[int], object]]:
     for t in tensors:
         known.activations._pack(t)  # their storages are known from now on
     chain = _Chain()
-    counters = [10**9 + 4096 * i for i in range(13)]  # one device's counters, as the ledger keeps them
-    per_device = {"cpu": counters}
+    ledger = Ledger()  # one device's counters, as the ledger keeps them
+    for i, category in enumerate(("sharded_param", "activation", "unsharded_grad")):
+        ledger.add("cpu", category, 10**9 + 4096 * i)
+    counters = ledger.raw()["cpu"]
     entries: dict[int, list[object]] = {}
     return {
         "empty Python call": lambda i: _empty(tensors[i]),
@@ -119,7 +121,7 @@ def operations(calls: int) -> dict[str, Callable[[int], object]]:
         "weakref.KeyedRef(storage)": lambda i: weakref.KeyedRef(storages[i], _on_free, i),
         "a ledger entry (list, dict insert)": lambda i: entries.__setitem__(i, ["cpu", 3, 4096, None, 1, None]),
         "snapshot: counters list copy": lambda i: counters[:],
-        "snapshot: {device: counters copy}": lambda i: {d: c[:] for d, c in per_device.items()},
+        "snapshot: Ledger.raw()": lambda i: ledger.raw(),
         "pack hook, known storage": lambda i: known.activations._pack(tensors[i]),
         "pack hook, new storage": lambda i: new.activations._pack(tensors[i]),
         "Sink.on_state (forward states)": lambda i: states.on_state(f"m{i // 4 % 16}", _STATES[i % 4]),
