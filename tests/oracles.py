@@ -163,6 +163,40 @@ def prompt_gloo_reduce_scatter() -> Any:
     return PromptReduceScatter()
 
 
+def _storage_users(t: torch.Tensor) -> int:
+    """How many tensors (Python's or C++'s) hold ``t``'s storage right now."""
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+
+def prompt_gloo_all_gather() -> Any:
+    """FSDP2's default all-gather, returning only once gloo's worker thread has let go of the output.
+
+    gloo's worker keeps the work (and the chunks of the output it wrote) for a moment after it
+    marks the work done. FSDP drops the all-gather output after copying it out (wait_for_unshard),
+    but the memory goes only when the worker has let go too: at once in most steps, some ops later
+    in others. Upstream FSDPMemTracker counts the output until it is freed, so its peaks would
+    depend on that thread's timing. This one waits for the work and for the worker's release where
+    the all-gather is issued: the output is then freed where FSDP drops it, in every step.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+    class PromptAllGather(DefaultAllGather):
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                     async_op: bool = False) -> Any:
+            users = _storage_users(output_tensor)
+            work = super().__call__(output_tensor, input_tensor, group, True)
+            assert work is not None
+            work.wait()
+            del work
+            deadline = time.monotonic() + 30
+            while _storage_users(output_tensor) > users:
+                assert time.monotonic() < deadline, "gloo's worker kept the all-gather's output for 30 s"
+                time.sleep(1e-4)  # lets the worker thread take the GIL and let go
+            return None
+
+    return PromptAllGather()
+
+
 def late_gloo_reduce_scatter() -> Any:
     """FSDP2's default reduce-scatter, whose work (and so gloo's clone of the input) stays alive
     until the next reduce-scatter, or ``release()``: gloo's worker thread at its slowest, on purpose."""
@@ -185,6 +219,18 @@ def late_gloo_reduce_scatter() -> Any:
             self.held.clear()
 
     return LateReduceScatter()
+
+
+def use_all_gather(model: nn.Module, comm: Any) -> None:
+    """Every FSDP2 group of ``model`` still on FSDP's default all-gather all-gathers with ``comm``."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            for group in param_groups(m):
+                if type(group._all_gather_comm) is DefaultAllGather:
+                    group._all_gather_comm = comm
 
 
 def use_reduce_scatter(model: nn.Module, comm: Any, only_default: bool = False) -> None:
@@ -212,13 +258,14 @@ def step_under_upstream(model: nn.Module, opt: torch.optim.Optimizer, x: torch.T
                         step: Callable[[], Any]) -> UpstreamStep:
     """``step()`` once under upstream FSDPMemTracker with our deep and light trackers attached
     inside its context (our hooks run first, our windows enclose upstream's): the three see the
-    very same step, whose reduce-scatters free gloo's buffers before they return
-    (``prompt_gloo_reduce_scatter``)."""
+    very same step, whose all-gathers and reduce-scatters let go of gloo's buffers before they
+    return (``prompt_gloo_all_gather``, ``prompt_gloo_reduce_scatter``)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
     use_reduce_scatter(model, prompt_gloo_reduce_scatter(), only_default=True)
+    use_all_gather(model, prompt_gloo_all_gather())
     settle()
     upstream = FSDPMemTracker(model, opt)
     upstream.track_inputs((x,))

@@ -19,6 +19,13 @@ where a module's backward peak window ends, and when a buffer another thread hol
   (``test_deep_figures_do_not_depend_on_when_gloo_frees_its_clone`` holds it late on purpose).
   So that upstream's figures are the same in every run too, the compared steps free the clone
   before each reduce-scatter returns (``tests.oracles.prompt_gloo_reduce_scatter``).
+- gloo's worker also keeps an all-gather's work (and views of its output) for a moment after the
+  work is done, so the output FSDP drops at wait_for_unshard is freed when the worker lets go,
+  in some steps later than that. Upstream's backward peak of the module then falls at a later
+  op, with that module's gradients in it (a TEMP larger by them, in about 1 rank run in 15 of
+  ``test_modules_sharing_a_group_get_their_own_backward_peaks``). The compared steps
+  return from each all-gather only once the worker has let go
+  (``tests.oracles.prompt_gloo_all_gather``).
 """
 
 from __future__ import annotations
