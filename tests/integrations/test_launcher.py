@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,26 +66,44 @@ class Run:
     log: str
 
 
+#: what a rank prints when gloo aborts it in interpreter finalization (below)
+FINALIZATION_ABORT = "terminate called without an active exception"
+
+
 def torchrun(script: Path, out_dir: Path, *, launcher: bool, prefix: tuple[str, ...] = (),
              env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> Run:
     """Run ``script`` on 2 ranks with torchrun (``--standalone``: a free port), as it is or under
-    ``-m fsdp_mem_otel.run``, reports to ``out_dir/rank{rank}.jsonl``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    ``-m fsdp_mem_otel.run``, reports to ``out_dir/rank{rank}.jsonl``.
+
+    A run is retried once, from scratch, only where a rank aborted with FINALIZATION_ABORT after
+    every rank had written its output: the scripts leave their gloo process group for interpreter
+    finalization to destroy (FSDP and Lightning keep it referenced past destroy_process_group), and
+    a gloo worker thread that lets go of its last work then can abort the process, with or without
+    the launcher (pytorch/pytorch#179291). It happened in about 1 CI run in 5 here, in a plain run.
+    Any other failure, or the same abort twice, fails the test."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD)]
     cmd += ["-m", "fsdp_mem_otel.run"] if launcher else []
     cmd += [*prefix, str(script), "--out", str(out_dir / "out.json"), *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "FSDP_MEM_OTEL_PROMETHEUS": "0",
                 "FSDP_MEM_OTEL_JSONL": str(out_dir / "rank{rank}.jsonl"), **(env or {})}
     full_env.pop("FSDP_MEM_OTEL_AUTO", None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=400)
-    log = proc.stdout + proc.stderr
+    outs = [out_dir / f"out.rank{r}.json" for r in range(WORLD)]
+    for attempt in (1, 2):
+        shutil.rmtree(out_dir, ignore_errors=True)  # nothing of a first attempt is read
+        out_dir.mkdir(parents=True)
+        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=400)
+        log = proc.stdout + proc.stderr
+        finished = all(path.exists() for path in outs)
+        if proc.returncode == 0 or attempt == 2 or not (finished and FINALIZATION_ABORT in log):
+            break
+        warnings.warn(f"{script.name}: a rank aborted in interpreter finalization after the run; "
+                      f"running it again\n{log[-1500:]}", stacklevel=2)
     assert proc.returncode == 0, log[-6000:]
-    outs = [json.loads((out_dir / f"out.rank{r}.json").read_text()) for r in range(WORLD)]
     reports = []
     for r in range(WORLD):
         path = out_dir / f"rank{r}.jsonl"
         reports.append([rep.to_dict() for rep in read_reports(str(path))] if path.exists() else [])
-    return Run(outs, reports, log)
+    return Run([json.loads(path.read_text()) for path in outs], reports, log)
 
 
 @dataclass
