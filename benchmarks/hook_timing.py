@@ -3,6 +3,7 @@
 Run (2 ranks, gloo, CPU):
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/hook_timing.py [--blocks 16] [--steps 20] [--rounds 5]
+        [--width 64 --batch 8]   (the compute-bound model: --blocks 4 --width 1024 --batch 256)
 
 Every function through which training enters the tracker is wrapped with a timer before attach:
 the sink's state events (``on_state``: the forward hooks and the group emits), the FSDP2 group
@@ -204,6 +205,10 @@ def stub_activation_entries() -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", type=int, default=16)
+    p.add_argument("--width", type=int, default=64,
+                   help="features per block (default 64: dispatch-bound; overhead.py's compute-4 is --blocks 4 "
+                        "--width 1024 --batch 256)")
+    p.add_argument("--batch", type=int, default=8, help="rows per micro-batch (default 8)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved untracked/tracked rounds (default 5)")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file (rank 0)")
@@ -223,8 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.stub_all:
         stub_all()
     rank, _ = init_distributed()
-    model, opt = build(args.blocks, 64, WrapOptions(fsdp=2))
-    xs = [make_batch(i, 8, 64, rank) for i in range(args.steps)]
+    for name in ("blocks", "width", "batch", "steps", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name}: must be at least 1, got {getattr(args, name)}")
+    model, opt = build(args.blocks, args.width, WrapOptions(fsdp=2))
+    xs = [make_batch(i, args.batch, args.width, rank) for i in range(args.steps)]
+    label = f"dispatch-{args.blocks}" if (args.width, args.batch) == (64, 8) else \
+        f"{args.blocks} blocks x {args.width} wide, batch {args.batch}"
 
     def run(tracker: Any) -> float:
         cpu = []
@@ -261,11 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         raw_shares.append(raw / base)
         shares.append(per_step / base)
         if rank == 0:
-            print(f"dispatch-{args.blocks} round {len(shares)}: untracked step {base * 1e3:.2f} ms CPU; "
+            print(f"{label} round {len(shares)}: untracked step {base * 1e3:.2f} ms CPU; "
                   f"tracker in place {per_step * 1e3:.3f} ms/step = {per_step / base:.2%} "
                   f"(timers included {raw / base:.2%}, {cost * 1e6:.2f} us per timed call)", flush=True)
     if rank == 0:
-        print(f"dispatch-{args.blocks}: median over {args.rounds} rounds {statistics.median(shares):.2%} "
+        print(f"{label}: median over {args.rounds} rounds {statistics.median(shares):.2%} "
               f"(min {min(shares):.2%}, max {max(shares):.2%}; timers included {statistics.median(raw_shares):.2%}); "
               "last round per entry point (timers included):")
         print(f"{'entry point':<40} {'us/step':>9} {'calls/step':>11} {'share':>7}")
@@ -279,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{t / args.steps / base:7.2%}")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"blocks": args.blocks, "shares": shares, "median": statistics.median(shares),
+                json.dump({"blocks": args.blocks, "width": args.width, "batch": args.batch,
+                           "shares": shares, "median": statistics.median(shares),
                            "shares_with_timers": raw_shares,
                            "entry_points": {n: {"us_per_step": t / args.steps * 1e6,
                                                 "calls_per_step": CALLS[n] / args.steps}
