@@ -79,6 +79,8 @@ class OptimizerWatch:
         self.no_state = False
         self._state_tensors = 0
         self._stepped_with_grads = False
+        self._in_hook = False  # one of our step hooks runs
+        self._off = False  # detached from inside a hook: the hooks do nothing until removed
 
     def attach(self) -> None:
         """Account the state there is and hook every optimizer's step (undone by ``detach``)."""
@@ -101,9 +103,16 @@ class OptimizerWatch:
         self._handles.append(opt.register_load_state_dict_post_hook(self._state_replaced))
 
     def detach(self) -> None:
+        """Remove the hooks; called from one of them (the error limit reached there), only
+        switch them off: the optimizer is iterating its hooks, and removing one would break its
+        step. ``step_end`` removes them then."""
+        if self._in_hook:
+            self._off = True
+            return
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._off = False
 
     def params(self) -> list[torch.Tensor]:
         return [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
@@ -146,6 +155,8 @@ class OptimizerWatch:
     def step_end(self) -> None:
         """At the end of a training step: notice (once, logged) optimizers that stepped with
         gradients present and hold no state; optimizer_state then reads 0 for a reason to say."""
+        if self._off:
+            self.detach()
         stepped, self._stepped_with_grads = self._stepped_with_grads, False
         if stepped and self._state_tensors == 0 and not self.no_state:
             self.no_state = True
@@ -157,7 +168,10 @@ class OptimizerWatch:
 
     # -- hooks ---------------------------------------------------------------------------------
     def _on_pre(self, opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._off:
+            return None
         self._context.in_optimizer = True
+        self._in_hook = True
         try:
             # optimizer.step(closure): the closure's forward and backward are not optimizer work.
             # ``args`` are step()'s own: the optimizer itself, then the closure if positional.
@@ -168,6 +182,8 @@ class OptimizerWatch:
                 return (*args[:first], self._outside_optimizer(args[first]), *args[first + 1:]), kwargs
         except Exception as exc:  # noqa: BLE001
             self._on_error(exc)
+        finally:
+            self._in_hook = False
         return None
 
     def _outside_optimizer(self, closure: Any) -> Any:
@@ -184,6 +200,9 @@ class OptimizerWatch:
 
     def _on_post(self, opt: Any, *_: Any) -> None:
         self._context.in_optimizer = False
+        if self._off:
+            return
+        self._in_hook = True
         try:
             # optimizer state tensors are created once and updated in place: scan only when that
             # may have changed, not every step
@@ -192,6 +211,8 @@ class OptimizerWatch:
                 self._stepped_with_grads = _has_grads(opt)
         except Exception as exc:  # noqa: BLE001
             self._on_error(exc)
+        finally:
+            self._in_hook = False
 
 
 def _has_grads(opt: torch.optim.Optimizer) -> bool:

@@ -104,3 +104,34 @@ def test_a_closure_runs_outside_the_optimizer_phase() -> None:
 
     opt.step(closure)
     assert phases == [False] and not context.in_optimizer
+
+
+def test_detaching_from_inside_a_step_hook_leaves_the_step_whole() -> None:
+    """The tracker detaches itself when its error limit is reached, which can happen inside its
+    optimizer hook: the optimizer iterates its hooks then, so removing one there raised
+    ``OrderedDict mutated during iteration`` out of ``optimizer.step()``. Now the hooks switch
+    off there and are removed at the step's end."""
+    model = nn.Linear(8, 8)
+    opt = torch.optim.Adam(model.parameters())
+    ledger = Ledger()
+    watch: OptimizerWatch
+
+    def broken(_category: str) -> int:
+        raise RuntimeError("broken")
+
+    errors: list[BaseException] = []
+
+    def on_error(exc: BaseException) -> None:
+        errors.append(exc)
+        watch.detach()  # what the error policy does at its limit
+
+    watch = OptimizerWatch([opt], ledger, StepContext(), on_error)
+    watch.attach()
+    users = opt.register_step_post_hook(lambda *_: None)  # a hook after ours: iteration goes on
+    ledger.category_bytes = broken  # type: ignore[method-assign]
+    _train(model, opt)  # raised before
+    assert len(errors) == 1 and len(opt._optimizer_step_post_hooks) == 2
+    _train(model, opt)  # switched off: no second failure
+    assert len(errors) == 1
+    watch.step_end()
+    assert not opt._optimizer_step_pre_hooks and list(opt._optimizer_step_post_hooks) == [users.id]
