@@ -90,6 +90,7 @@ class DeepSteps:
         if mode is None:
             return
         self._ledger.offer_on_add = True
+        self._ledger.defer(True)  # light again: queue changes until read (Ledger.defer)
         self._sink.deep = False
         RESIZE_WATCH.discard(self._ledger)
         try:
@@ -136,6 +137,7 @@ class DeepSteps:
                 self._restore_stance = force_eager()
             self._mode = DeepMode(self._ledger, self._context, self._on_error)
             self._mode.__enter__()
+            self._ledger.defer(False)  # deep mode reads the counters at every op
             RESIZE_WATCH.add(self._ledger)
             self._ledger.offer_on_add = False
             self._sink.deep = True
@@ -143,6 +145,7 @@ class DeepSteps:
             self._adapter.use_tensors(True)
         except Exception as exc:  # noqa: BLE001
             self._mode = None
+            self._ledger.defer(True)
             self._restore()
             self._on_error(exc)
 

@@ -1,16 +1,12 @@
-"""Storage accounting: bytes per device x category, with per-step and per-window peaks.
+"""Storage accounting: which storages hold how many bytes of which category, on which device.
 
 Bytes enter the ledger two ways. Tracked storages (parameters, optimizer state, saved
 activations, and in deep mode every op's output) are held by a weak reference whose callback
 subtracts their bytes when the storage is freed, so the ledger never keeps memory alive. Buffers
 whose lifetime FSDP's own events tell (light mode's per-group accounts) are added and subtracted
-as plain integers with ``add``. Each update is O(1): it touches one device's counters, the step
-window and the innermost open window. Windows nest (a module's forward inside its parent's);
-closing one folds its peak into the enclosing window, which is how per-module peaks stay O(1)
-per update however many modules exist.
-
-Counters are per device a list indexed like ``CATEGORY_KEYS`` (``total`` last): a snapshot copies
-that list (``raw()``); the public ``{category: bytes}`` dicts are built only for reports.
+as plain integers with ``add``. Either way the bytes land in ``counters.Counters`` (the ledger's
+base): per device and category, with the step's and each window's peaks, applied at once or
+deferred and replayed when read (light mode).
 
 The ledger knows tensors and storages but nothing about FSDP.
 """
@@ -28,18 +24,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp_mem_otel import env
-from fsdp_mem_otel.schema import CATEGORY_KEYS, DeviceBreakdown, breakdown_of
+from fsdp_mem_otel.schema import breakdown_of
+from fsdp_mem_otel.training.counters import INDEX, Counters, RawBreakdown
 
 # The CUDA caching allocator rounds every block up to 512 bytes (same rule as upstream MemTracker).
 _CUDA_MIN_BLOCK = 512 if os.environ.get(env.PYTORCH_NO_CUDA_MEMORY_CACHING, "0") == "0" else 1
 
-#: category key -> its index in a counter list
-INDEX: dict[str, int] = {c: i for i, c in enumerate(CATEGORY_KEYS)}
-_N = len(CATEGORY_KEYS)
-_T = INDEX["total"]
-
-#: device -> counters (a list indexed like CATEGORY_KEYS), as snapshots hold them
-RawBreakdown = dict[str, list[int]]
+__all__ = ["INDEX", "Ledger", "RawBreakdown", "as_breakdown", "device_block", "rounded", "storages_of"]
 
 
 def storages_of(t: torch.Tensor, fake_mode: Any = None) -> list[torch.UntypedStorage]:
@@ -80,53 +71,9 @@ def device_block(device: torch.device) -> int:
 as_breakdown = breakdown_of
 
 
-class _Window:
-    """The peak of one span of time: per device, the largest total and the counters then.
 
-    Copying the counters at every new maximum would cost a copy per allocation while memory grows
-    (every saved activation in a forward); instead a device whose peak *is* the current counters
-    is marked live, and the ledger copies it only when those counters are about to change
-    downwards (a free, a relabel), when a nested window opens, or when it is read.
-    """
-
-    __slots__ = ("live", "peak", "snap")
-
-    def __init__(self, current: RawBreakdown) -> None:
-        # one loop, no comprehensions: windows open on the hot path (a module's forward, backward)
-        self.peak: dict[str, int] = {}
-        self.snap: RawBreakdown = {}
-        for d, c in current.items():
-            self.peak[d] = c[_T]
-            self.snap[d] = c[:]
-        self.live: set[str] = set()
-
-    def offer(self, device: str, total: int) -> None:
-        if total > self.peak.get(device, -1):
-            self.peak[device] = total
-            self.live.add(device)
-
-    def settle(self, current: RawBreakdown, device: str | None = None) -> None:
-        """Copy the live peaks (all devices, or one) out of ``current`` before it changes."""
-        if not self.live:
-            return
-        if device is None:
-            for d in self.live:
-                self.snap[d] = current[d][:]
-            self.live.clear()
-        elif device in self.live:
-            self.snap[device] = current[device][:]
-            self.live.discard(device)
-
-    def absorb(self, inner: _Window) -> None:
-        for device, total in inner.peak.items():
-            if total > self.peak.get(device, -1):
-                self.peak[device] = total
-                self.snap[device] = inner.snap[device]
-                self.live.discard(device)
-
-
-class Ledger:
-    """Live bytes per device and category, plus peaks for the step and for nested windows."""
+class Ledger(Counters):
+    """Live bytes per device and category (``Counters``), from tracked storages and integer accounts."""
 
     def __init__(self) -> None:
         # id(storage) -> [device, category index, nbytes, weakref, block, owner]; the weakref
@@ -135,18 +82,13 @@ class Ledger:
         self._entries: dict[int, list[Any]] = {}
         #: FSDP module -> bytes of the storages it owns (``track_new(..., owner=)``) alive now
         self.owner_bytes: dict[str, int] = {}
-        self._cur: RawBreakdown = {}
-        self._step = _Window({})
-        self._windows: list[_Window] = []
+        super().__init__()
         self._devices: dict[torch.device, tuple[str, int]] = {}  # device -> (name, block)
         self._on_free = _free_callback(self._entries, weakref.ref(self))
-        # Light mode: every growth is a peak candidate. Deep mode turns this off and offers once
-        # per op (offer_current), the instants upstream MemTracker evaluates, so both agree.
-        self.offer_on_add = True
         # count_fake(): an estimate's fake tensors count as memory on this device
         self.fake_mode: Any = None
         self._fake_device: torch.device | None = None
-        self.window_watch: Any = None  # told of window edges (allocator_temps.AllocatorTemps) or None
+
 
     def count_fake(self, fake_mode: Any, device: torch.device) -> None:
         """Account the tensors of ``fake_mode`` (a FakeTensorMode) as memory on ``device``
@@ -259,6 +201,7 @@ class Ledger:
             self.owner_bytes[entry[5]] += delta
 
     def _relabel(self, entry: list[Any], cat: int) -> None:
+        self.flush()
         device = entry[0]
         cats = self._cur[device]
         self._settle(device)
@@ -313,112 +256,6 @@ class Ledger:
             if delta:
                 self._add(device, cat, delta)
 
-    def _add(self, device: str, cat: int, delta: int) -> None:
-        # The hot path of every update: written out, no helper calls unless a window is live.
-        cats = self._cur.get(device)
-        if cats is None:
-            cats = self._cur[device] = [0] * _N
-        step = self._step
-        windows = self._windows
-        if delta < 0:  # the counters shrink: keep copies of the peaks they still are
-            if device in step.live:
-                step.settle(self._cur, device)
-            if windows and device in windows[-1].live:
-                windows[-1].settle(self._cur, device)
-        cats[cat] += delta
-        total = cats[_T] = cats[_T] + delta
-        if delta > 0 and self.offer_on_add:
-            if total > step.peak.get(device, -1):
-                step.peak[device] = total
-                step.live.add(device)
-            if windows:
-                inner = windows[-1]
-                if total > inner.peak.get(device, -1):
-                    inner.peak[device] = total
-                    inner.live.add(device)
-
-    def _settle(self, device: str) -> None:
-        # Only the step window and the innermost window receive offers, so only they can be live.
-        self._step.settle(self._cur, device)
-        if self._windows:
-            self._windows[-1].settle(self._cur, device)
-
-    def offer_current(self) -> None:
-        """Make the current counters a peak candidate for the step and the innermost window."""
-        inner = self._windows[-1] if self._windows else None
-        for device, cats in self._cur.items():
-            self._step.offer(device, cats[_T])
-            if inner is not None:
-                inner.offer(device, cats[_T])
-
-    # -- windows and peaks ---------------------------------------------------------------------
-    def open_window(self) -> None:
-        """Start a nested peak window (a module's forward or backward)."""
-        if self._windows:
-            self._windows[-1].settle(self._cur)  # it stops receiving offers now
-        if self.window_watch is not None:
-            self.window_watch.opened(self._cur)
-        self._windows.append(_Window(self._cur))
-
-    def close_window_raw(self) -> RawBreakdown:
-        """End the innermost window; return its peak as raw counters (what a snapshot keeps; see
-        ``as_breakdown``) and fold it into the enclosing one."""
-        if not self._windows:
-            return {}
-        w = self._windows.pop()
-        w.settle(self._cur)
-        if self._windows:
-            self._windows[-1].absorb(w)
-        # the window is gone; its counter lists are replaced, never changed in place
-        return w.snap if self.window_watch is None else self.window_watch.closed(len(self._windows), w.snap)
-
-    def close_window_at(self, index: int) -> RawBreakdown:
-        """End the window at ``index`` of the open ones (0 = outermost), which need not be the
-        innermost: windows that overlap without nesting (modules whose backward spans cross).
-        Its peak takes in what the windows opened after it have seen so far; returns it (raw)."""
-        if index == len(self._windows) - 1 or index == -1:
-            return self.close_window_raw()
-        w = self._windows[index]
-        for inner in self._windows[index + 1:]:
-            inner.settle(self._cur)
-            w.absorb(inner)
-        del self._windows[index]
-        if index > 0:
-            self._windows[index - 1].absorb(w)
-        snap = {d: c[:] for d, c in w.snap.items()}
-        return snap if self.window_watch is None else self.window_watch.closed(index, snap)
-
-    @property
-    def open_windows(self) -> int:
-        return len(self._windows)
-
-    def raw(self) -> RawBreakdown:
-        """A copy of the current counters (what a snapshot keeps)."""
-        out = {}
-        for d, c in self._cur.items():  # a loop, not a comprehension: no frame of its own (3.11)
-            out[d] = c[:]
-        return out
-
-    def snapshot(self) -> DeviceBreakdown:
-        """The current breakdown, ``{device: {category: bytes}}`` (a copy; also ``current``)."""
-        return as_breakdown(self._cur)
-
-    current = property(snapshot)
-
-    def category_bytes(self, category: str) -> int:
-        """Bytes of ``category`` now, summed over devices."""
-        i = INDEX[category]
-        return sum(c[i] for c in self._cur.values())
-
-    def step_peak(self) -> DeviceBreakdown:
-        self._step.settle(self._cur)
-        peak = as_breakdown(self._step.snap)
-        return peak if self.window_watch is None else self.window_watch.step_peak(peak)
-
-    def reset_step(self) -> None:
-        """Start a new step: the step peak restarts from what is live now; windows are dropped."""
-        self._step = _Window(self._cur)
-        self._windows.clear()
 
     # -- introspection -------------------------------------------------------------------------
     def __len__(self) -> int:

@@ -103,6 +103,7 @@ class StepRecorder:
 
     def reset(self) -> None:
         """Start a new step: no snapshots, no open windows, phase idle."""
+        self.ledger.flush()  # what is pending belongs to the step that ends
         # (module key, state, counters, time_ns) per snapshot, in order: one tuple per event on
         # the hot path; the per-module reports are built from it once, at the step's end
         self._log: list[tuple[str, str, RawBreakdown, int]] = []
@@ -113,13 +114,17 @@ class StepRecorder:
         self._ac_key: str | None = None
 
     # -- events --------------------------------------------------------------------------------
-    def on_state(self, key: str, state: str, in_backward: bool = False, windowed: bool = True) -> None:
+    def on_state(self, key: str, state: str, in_backward: bool = False, windowed: bool = True,
+                 t: int | None = None) -> None:
         """Module ``key`` reached ``state``; ``in_backward``: autograd's backward is running
         (forward states then mean an activation-checkpoint recompute). ``windowed=False``: the
         state opens or closes no peak window (the adapter calls ``open_window``/``close_window``
-        itself, e.g. for modules sharing one FSDP group)."""
+        itself, e.g. for modules sharing one FSDP group). ``t``: when (``time.time_ns()``; now if
+        None), for an event replayed from the ledger's pending log."""
+        if t is None:
+            t = time.time_ns()
         if in_backward and state in FORWARD_STATES:
-            self._on_recompute(key, state)
+            self._on_recompute(key, state, t)
             return
         self.context.phase = _PHASE_AFTER[state]
         ledger, windows, log = self.ledger, self.windows, self._log
@@ -128,72 +133,75 @@ class StepRecorder:
             if closes is not None:
                 if windows and windows[-1] == (key, closes):  # the usual nesting, written out
                     windows.pop()
-                    log.append((key, closes, ledger.close_window_raw(), time.time_ns()))
+                    log.append((key, closes, ledger.close_window_raw(), t))
                 else:
-                    self._close_window(key, closes)
-        log.append((key, state, ledger.raw(), time.time_ns()))
+                    self._close_window(key, closes, t)
+        log.append((key, state, ledger.raw(), t))
         if windowed:
             opens = _OPENS.get(state)
             if opens is not None:
                 ledger.open_window()
                 windows.append((key, opens))
 
-    def open_window(self, key: str, peak_state: str) -> None:
-        """Start module ``key``'s ``peak_state`` window (nested in the open ones)."""
+    def open_window(self, key: str, peak_state: str, t: int | None = None) -> None:
+        """Start module ``key``'s ``peak_state`` window (nested in the open ones); ``t``: unused,
+        for the same replay signature as the other events."""
         self.ledger.open_window()
         self.windows.append((key, peak_state))
 
-    def close_window(self, key: str, peak_state: str) -> None:
+    def close_window(self, key: str, peak_state: str, t: int | None = None) -> None:
         """End module ``key``'s ``peak_state`` window (inner ones first); a no-op if not open."""
-        self._close_window(key, peak_state)
+        self._close_window(key, peak_state, t)
 
-    def end_window(self, key: str, peak_state: str, oldest: bool = False) -> None:
+    def end_window(self, key: str, peak_state: str, oldest: bool = False, t: int | None = None) -> None:
         """End module ``key``'s latest (``oldest``: earliest) ``peak_state`` window alone, wherever
         it is among the open ones (windows that overlap without nesting); a no-op if not open."""
         n = len(self.windows)
         for i in range(n) if oldest else range(n - 1, -1, -1):
             if self.windows[i] == (key, peak_state):
                 del self.windows[i]
-                self._append(key, peak_state, self.ledger.close_window_at(i))
+                self._append(key, peak_state, self.ledger.close_window_at(i), t)
                 return
 
-    def _on_recompute(self, key: str, state: str) -> None:
+    def _on_recompute(self, key: str, state: str, t: int) -> None:
         ctx = self.context
         if state == BEFORE_PRE_FORWARD:
             ctx.phase = PRE_FORWARD
         elif state == AFTER_PRE_FORWARD:
             ctx.phase = FORWARD
-            self._append(key, PRE_FORWARD_AC, self.ledger.raw())
+            self._append(key, PRE_FORWARD_AC, self.ledger.raw(), t)
             if self._ac_key is None:
                 self._ac_key, ctx.in_ac_recompute = key, True
         elif state == BEFORE_POST_FORWARD:
             ctx.phase = POST_FORWARD
-            self._append(key, POST_FORWARD_AC, self.ledger.raw())
+            self._append(key, POST_FORWARD_AC, self.ledger.raw(), t)
             if self._ac_key == key:
                 self._ac_key, ctx.in_ac_recompute = None, False
 
-    def _close_window(self, key: str, peak_state: str) -> None:
+    def _close_window(self, key: str, peak_state: str, t: int | None = None) -> None:
         # Windows nest; if FSDP closes one out of order, close the inner ones first.
         if (key, peak_state) not in self.windows:
             return
         while self.windows:
             k, s = self.windows.pop()
-            self._append(k, s, self.ledger.close_window_raw())
+            self._append(k, s, self.ledger.close_window_raw(), t)
             if k == key and s == peak_state:
                 return
 
     def close_open_windows(self) -> None:
         """Close every window still open (step end), innermost first."""
+        self.ledger.flush()
         while self.windows:
             key, peak_state = self.windows.pop()
             self._append(key, peak_state, self.ledger.close_window_raw())
 
-    def _append(self, key: str, state: str, snap: RawBreakdown) -> None:
-        self._log.append((key, state, snap, time.time_ns()))
+    def _append(self, key: str, state: str, snap: RawBreakdown, t: int | None = None) -> None:
+        self._log.append((key, state, snap, time.time_ns() if t is None else t))
 
     @property
     def modules(self) -> dict[str, ModuleReport]:
         """The step's snapshots so far, per module, as reports hold them (built on each call)."""
+        self.ledger.flush()
         calls: dict[str, _Calls] = {}
         for key, state, snap, t in self._log:
             mod = calls.get(key)
@@ -212,11 +220,13 @@ class StepRecorder:
     @property
     def in_pass(self) -> bool:
         """A forward or backward pass is open (some module's window has not closed)."""
+        self.ledger.flush()
         return bool(self.windows)
 
     def location(self) -> tuple[str, str]:
         """(module, state) running now: the innermost open window's module, else the module
         of the last snapshot, and the last state that module reached; ("", "") before any."""
+        self.ledger.flush()
         if self.windows:
             key = self.windows[-1][0]
         elif self._log:

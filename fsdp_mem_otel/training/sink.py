@@ -37,6 +37,8 @@ _in_backward = torch._C._current_graph_task_id
 _POST_FORWARD = frozenset({BEFORE_POST_FORWARD, AFTER_POST_FORWARD})
 #: states after which the allocator is sampled (window ends): its peaks are sampled maxima
 _SAMPLED = frozenset({AFTER_POST_FORWARD, AFTER_POST_BACKWARD})
+#: a deferring ledger replays once this many changes and events wait (a loop without step())
+_FLUSH_AT = 1 << 16
 
 
 def _nothing(*_: Any) -> None:
@@ -80,9 +82,16 @@ class Sink:
         self._recompute_depth = 0  # nesting of FSDP forwards recomputed in backward
         #: seconds spent in on_state this step
         self.overhead = 0.0
+        self._record_state = recorder.on_state
+        ledger.on_replay_error = on_error  # a deferred event that fails counts like one at once
 
     def end_step(self) -> None:
-        """Between steps: pop saved-tensor hooks a forward that raised left pushed, reset depths."""
+        """Between steps: pop saved-tensor hooks a forward that raised left pushed, reset depths,
+        replay what the ledger deferred."""
+        try:
+            self.ledger.flush()
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
         self.activations.pop()
         self._recompute_activations.pop()
         self._forward_depth = self._recompute_depth = 0
@@ -117,7 +126,13 @@ class Sink:
                     self._note_raising_forward()
             if self.deep and state == AFTER_POST_BACKWARD:
                 release_backend_buffers(self.ledger, self.recorder.context)
-            self.recorder.on_state(key, state, in_backward, windowed)
+            pending = self.ledger.pending
+            if pending is None:
+                self.recorder.on_state(key, state, in_backward, windowed)
+            else:  # replayed when read (``Ledger.flush``), with this time
+                pending.append((self._record_state, key, state, in_backward, windowed, time.time_ns()))
+                if len(pending) > _FLUSH_AT:
+                    self.ledger.flush()
             if self._sample is not None and state in _SAMPLED:
                 self._sample()
             if state == AFTER_POST_FORWARD and not in_backward:
@@ -132,7 +147,7 @@ class Sink:
         """Start module ``key``'s peak window (for states reported ``windowed=False``)."""
         if self.active:
             try:
-                self.recorder.open_window(key, peak_state)
+                self._record(self.recorder.open_window, key, peak_state)
             except Exception as exc:  # noqa: BLE001
                 self.report_error(exc)
 
@@ -140,7 +155,7 @@ class Sink:
         """End module ``key``'s peak window."""
         if self.active:
             try:
-                self.recorder.close_window(key, peak_state)
+                self._record(self.recorder.close_window, key, peak_state)
             except Exception as exc:  # noqa: BLE001
                 self.report_error(exc)
 
@@ -148,9 +163,17 @@ class Sink:
         """End module ``key``'s latest (``oldest``: earliest) peak window alone, where windows overlap."""
         if self.active:
             try:
-                self.recorder.end_window(key, peak_state, oldest)
+                self._record(self.recorder.end_window, key, peak_state, oldest)
             except Exception as exc:  # noqa: BLE001
                 self.report_error(exc)
+
+    def _record(self, event: Callable[..., None], *args: Any) -> None:
+        # a recorder event now, or queued with its time where the ledger defers (see on_state)
+        pending = self.ledger.pending
+        if pending is None:
+            event(*args)
+        else:
+            pending.append((event, *args, time.time_ns()))
 
     def _note_raising_forward(self) -> None:
         # Post-forward hooks with no outputs while an exception propagates: the forward raised

@@ -97,7 +97,7 @@ class FSDPMemoryTracker:
         self.recorder = StepRecorder(self.ledger, self.context)
         self._optimizers = OptimizerWatch(optimizers, self.ledger, self.context, self.report_error)
         self._probe = AllocatorProbe(reset_peaks=config.reset_peaks)
-        self.ledger.window_watch = allocator_temps(self._probe, config.reset_peaks)
+        self.ledger.watch_windows(allocator_temps(self._probe, config.reset_peaks))  # defers unless watched
         self._sink = Sink(self.ledger, self.recorder, self.report_error, self._probe.sampler, config.activations)
         self._aborts = StepAborts(self.recorder, self.ledger, self._probe, self.report_error)
         self._leaks = LeakWatch(config.leak_window)

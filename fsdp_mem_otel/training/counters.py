@@ -1,0 +1,265 @@
+"""Counters of bytes per device and category, with per-step and per-window peaks.
+
+The arithmetic half of the ledger (``ledger.Ledger`` adds the tracked storages): every change of
+bytes goes through ``_add``, O(1): it touches one device's counters, the step window and the
+innermost open window. Windows nest (a module's forward inside its parent's); closing one folds
+its peak into the enclosing window, which is how per-module peaks stay O(1) per update however
+many modules exist.
+
+Counters are per device a list indexed like ``CATEGORY_KEYS`` (``total`` last): a snapshot copies
+that list (``raw()``); the public ``{category: bytes}`` dicts are built only for reports.
+
+Deferred (light mode, ``defer(True)``): a change of bytes is only appended to ``pending``, and so
+is each of the step recorder's events (``Sink``); ``flush()`` replays them in order, counters,
+windows and snapshots alike, in one loop, the first time anything reads the counters (the step's
+end, an abort). In place each update touched counters, window peaks and sets that training's data
+had pushed out of the CPU caches; replayed together they stay warm. Every reading method flushes
+first, so a reader sees what an immediate ledger would have shown. Knows no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fsdp_mem_otel.schema import CATEGORY_KEYS, DeviceBreakdown, breakdown_of
+
+#: category key -> its index in a counter list
+INDEX: dict[str, int] = {c: i for i, c in enumerate(CATEGORY_KEYS)}
+_N = len(CATEGORY_KEYS)
+_T = INDEX["total"]
+
+#: device -> counters (a list indexed like CATEGORY_KEYS), as snapshots hold them
+RawBreakdown = dict[str, list[int]]
+
+
+class _Window:
+    """The peak of one span of time: per device, the largest total and the counters then.
+
+    Copying the counters at every new maximum would cost a copy per allocation while memory grows
+    (every saved activation in a forward); instead a device whose peak *is* the current counters
+    is marked live, and the ledger copies it only when those counters are about to change
+    downwards (a free, a relabel), when a nested window opens, or when it is read.
+    """
+
+    __slots__ = ("live", "peak", "snap")
+
+    def __init__(self, current: RawBreakdown) -> None:
+        # one loop, no comprehensions: windows open on the hot path (a module's forward, backward)
+        self.peak: dict[str, int] = {}
+        self.snap: RawBreakdown = {}
+        for d, c in current.items():
+            self.peak[d] = c[_T]
+            self.snap[d] = c[:]
+        self.live: set[str] = set()
+
+    def offer(self, device: str, total: int) -> None:
+        if total > self.peak.get(device, -1):
+            self.peak[device] = total
+            self.live.add(device)
+
+    def settle(self, current: RawBreakdown, device: str | None = None) -> None:
+        """Copy the live peaks (all devices, or one) out of ``current`` before it changes."""
+        if not self.live:
+            return
+        if device is None:
+            for d in self.live:
+                self.snap[d] = current[d][:]
+            self.live.clear()
+        elif device in self.live:
+            self.snap[device] = current[device][:]
+            self.live.discard(device)
+
+    def absorb(self, inner: _Window) -> None:
+        for device, total in inner.peak.items():
+            if total > self.peak.get(device, -1):
+                self.peak[device] = total
+                self.snap[device] = inner.snap[device]
+                self.live.discard(device)
+
+
+class Counters:
+    """Live bytes per device and category, plus peaks for the step and for nested windows."""
+
+    def __init__(self) -> None:
+        self._cur: RawBreakdown = {}
+        self._step = _Window({})
+        self._windows: list[_Window] = []
+        # Light mode: every growth is a peak candidate. Deep mode turns this off and offers once
+        # per op (offer_current), the instants upstream MemTracker evaluates, so both agree.
+        self.offer_on_add = True
+        self.window_watch: Any = None  # told of window edges (allocator_temps.AllocatorTemps) or None
+        #: deferred mode: changes and recorder events waiting for ``flush`` (module docstring), else None
+        self.pending: list[tuple[Any, ...]] | None = None
+        self._replaying = False
+        #: told of each event that fails in a replay (the tracker counts them); None: ``flush`` raises
+        self.on_replay_error: Callable[[BaseException], None] | None = None
+
+    def defer(self, on: bool) -> None:
+        """Queue changes until they are read (``on``) or apply them at once; never while a
+        ``window_watch`` reads the allocator at each window edge (that must happen in time)."""
+        self.flush()
+        self.pending = [] if on and self.window_watch is None else None
+
+    def watch_windows(self, watch: Any) -> None:
+        """Tell ``watch`` (or None) of every window edge; a watch turns deferral off."""
+        self.flush()
+        self.window_watch = watch
+        self.defer(watch is None)
+
+    def flush(self) -> None:
+        """Replay the pending changes and events in order (a no-op when there are none).
+
+        Adds are ``(device, category index, delta)``; anything else is ``(method, *args)``. A
+        failing event does not stop the others: each goes to ``on_replay_error``, or the first is
+        raised at the end.
+        """
+        pending = self.pending
+        if not pending or self._replaying:
+            return
+        self.pending = []  # what frees while replaying goes here, after what is being replayed
+        self._replaying = True
+        apply = self._apply
+        failures: list[Exception] = []
+        try:
+            for op in pending:
+                try:
+                    if op[0].__class__ is str:
+                        apply(op[0], op[1], op[2])
+                    else:
+                        op[0](*op[1:])
+                except Exception as exc:  # noqa: BLE001 - replay the rest
+                    failures.append(exc)
+        finally:
+            self._replaying = False
+        if failures:
+            if self.on_replay_error is None:
+                raise failures[0]
+            for err in failures:
+                self.on_replay_error(err)
+
+    # -- changes -------------------------------------------------------------------------------
+    def _add(self, device: str, cat: int, delta: int) -> None:
+        pending = self.pending
+        if pending is not None:
+            pending.append((device, cat, delta))
+        else:
+            self._apply(device, cat, delta)
+
+    def _apply(self, device: str, cat: int, delta: int) -> None:
+        # Every update (or its replay): written out, no helper calls unless a window is live.
+        cats = self._cur.get(device)
+        if cats is None:
+            cats = self._cur[device] = [0] * _N
+        step = self._step
+        windows = self._windows
+        if delta < 0:  # the counters shrink: keep copies of the peaks they still are
+            if device in step.live:
+                step.settle(self._cur, device)
+            if windows and device in windows[-1].live:
+                windows[-1].settle(self._cur, device)
+        cats[cat] += delta
+        total = cats[_T] = cats[_T] + delta
+        if delta > 0 and self.offer_on_add:
+            if total > step.peak.get(device, -1):
+                step.peak[device] = total
+                step.live.add(device)
+            if windows:
+                inner = windows[-1]
+                if total > inner.peak.get(device, -1):
+                    inner.peak[device] = total
+                    inner.live.add(device)
+
+    def _settle(self, device: str) -> None:
+        # Only the step window and the innermost window receive offers, so only they can be live.
+        self._step.settle(self._cur, device)
+        if self._windows:
+            self._windows[-1].settle(self._cur, device)
+
+    def offer_current(self) -> None:
+        """Make the current counters a peak candidate for the step and the innermost window."""
+        self.flush()
+        inner = self._windows[-1] if self._windows else None
+        for device, cats in self._cur.items():
+            self._step.offer(device, cats[_T])
+            if inner is not None:
+                inner.offer(device, cats[_T])
+
+    # -- windows and peaks ---------------------------------------------------------------------
+    def open_window(self) -> None:
+        """Start a nested peak window (a module's forward or backward)."""
+        self.flush()
+        if self._windows:
+            self._windows[-1].settle(self._cur)  # it stops receiving offers now
+        if self.window_watch is not None:
+            self.window_watch.opened(self._cur)
+        self._windows.append(_Window(self._cur))
+
+    def close_window_raw(self) -> RawBreakdown:
+        """End the innermost window; return its peak as raw counters (what a snapshot keeps; see
+        ``as_breakdown``) and fold it into the enclosing one."""
+        self.flush()
+        if not self._windows:
+            return {}
+        w = self._windows.pop()
+        w.settle(self._cur)
+        if self._windows:
+            self._windows[-1].absorb(w)
+        # the window is gone; its counter lists are replaced, never changed in place
+        return w.snap if self.window_watch is None else self.window_watch.closed(len(self._windows), w.snap)
+
+    def close_window_at(self, index: int) -> RawBreakdown:
+        """End the window at ``index`` of the open ones (0 = outermost), which need not be the
+        innermost: windows that overlap without nesting (modules whose backward spans cross).
+        Its peak takes in what the windows opened after it have seen so far; returns it (raw)."""
+        self.flush()
+        if index == len(self._windows) - 1 or index == -1:
+            return self.close_window_raw()
+        w = self._windows[index]
+        for inner in self._windows[index + 1:]:
+            inner.settle(self._cur)
+            w.absorb(inner)
+        del self._windows[index]
+        if index > 0:
+            self._windows[index - 1].absorb(w)
+        snap = {d: c[:] for d, c in w.snap.items()}
+        return snap if self.window_watch is None else self.window_watch.closed(index, snap)
+
+    @property
+    def open_windows(self) -> int:
+        self.flush()
+        return len(self._windows)
+
+    def raw(self) -> RawBreakdown:
+        """A copy of the current counters (what a snapshot keeps)."""
+        if self.pending:
+            self.flush()
+        out = {}
+        for d, c in self._cur.items():  # a loop, not a comprehension: no frame of its own (3.11)
+            out[d] = c[:]
+        return out
+
+    def snapshot(self) -> DeviceBreakdown:
+        """The current breakdown, ``{device: {category: bytes}}`` (a copy; also ``current``)."""
+        self.flush()
+        return breakdown_of(self._cur)
+
+    current = property(snapshot)
+
+    def category_bytes(self, category: str) -> int:
+        """Bytes of ``category`` now, summed over devices."""
+        self.flush()
+        i = INDEX[category]
+        return sum(c[i] for c in self._cur.values())
+
+    def step_peak(self) -> DeviceBreakdown:
+        self.flush()
+        self._step.settle(self._cur)
+        peak = breakdown_of(self._step.snap)
+        return peak if self.window_watch is None else self.window_watch.step_peak(peak)
+
+    def reset_step(self) -> None:
+        """Start a new step: the step peak restarts from what is live now; windows are dropped."""
+        self.flush()
+        self._step = _Window(self._cur)
+        self._windows.clear()

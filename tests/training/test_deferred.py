@@ -1,0 +1,198 @@
+"""Light mode's deferred ledger (``Ledger.defer``) against an immediate one, driven directly.
+
+Oracle: the same events through a ledger that applies every change at once (how the ledger
+worked before deferral, and how deep mode still uses it). Both are fed in lockstep; the deferred
+one must give the same snapshots, window peaks, step peak, live bytes and location at every read,
+whenever the reads come (mid-step or at the end), and must never hold a tensor.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import weakref
+from typing import Any
+
+import pytest
+import torch
+
+from fsdp_mem_otel.schema import (
+    ACTIVATION,
+    AFTER_POST_BACKWARD,
+    AFTER_POST_FORWARD,
+    AFTER_PRE_BACKWARD,
+    AFTER_PRE_FORWARD,
+    ALL_GATHER,
+    BEFORE_POST_BACKWARD,
+    BEFORE_POST_FORWARD,
+    BEFORE_PRE_BACKWARD,
+    BEFORE_PRE_FORWARD,
+    PEAK_BACKWARD,
+    REDUCE_SCATTER,
+    TEMP,
+    UNSHARDED_PARAM,
+)
+from fsdp_mem_otel.training.ledger import INDEX, Ledger
+from fsdp_mem_otel.training.recorder import StepRecorder
+from fsdp_mem_otel.training.sink import Sink
+
+
+def _pair() -> tuple[list[Sink], list[BaseException]]:
+    errors: list[BaseException] = []
+    sinks = []
+    for deferred in (False, True):
+        ledger = Ledger()
+        ledger.defer(deferred)
+        sink = Sink(ledger, StepRecorder(ledger), errors.append)
+        sink.active = True
+        sinks.append(sink)
+    assert sinks[0].ledger.pending is None and sinks[1].ledger.pending == []
+    return sinks, errors
+
+
+def _reports(sink: Sink) -> dict[str, Any]:
+    return {key: (mod.snapshots, {s: len(t) for s, t in mod.times.items()}, mod.peak_totals)
+            for key, mod in sink.recorder.modules.items()}
+
+
+def _same(sinks: list[Sink]) -> None:
+    now, later = sinks
+    assert later.ledger.current == now.ledger.current
+    assert later.recorder.location() == now.recorder.location()
+    assert later.recorder.in_pass == now.recorder.in_pass
+    assert later.ledger.category_bytes(ACTIVATION) == now.ledger.category_bytes(ACTIVATION)
+
+
+def _random_step(sinks: list[Sink], rng: random.Random, blocks: int, read_every: int) -> None:
+    """One step of a nested model: forward (inputs, saved and freed tensors, all-gathers, temps),
+    backward (grads, reduce-scatters, a group's windows ended out of order), reads in between."""
+    alive: list[torch.Tensor] = []
+    events = 0
+
+    def each(fn: Any) -> None:
+        nonlocal events
+        for sink in sinks:
+            fn(sink)
+        events += 1
+        if read_every and events % read_every == 0:
+            _same(sinks)
+
+    def tensor(numel: int, category: str) -> None:
+        t = torch.empty(numel)
+        each(lambda s: s.ledger.track(t, category))
+        alive.append(t)
+
+    def free_some() -> None:
+        for _ in range(rng.randint(0, len(alive))):
+            alive.pop(rng.randrange(len(alive)))  # freed here: the free callbacks run now
+
+    keys = ["<root>"] + [f"layers.{i}" for i in range(blocks)]
+    for key in keys:
+        each(lambda s, k=key: s.on_state(k, BEFORE_PRE_FORWARD))
+        each(lambda s: s.add("cpu", INDEX[ALL_GATHER], 512))
+        x = torch.empty(rng.randint(1, 64))
+        each(lambda s, k=key, x=x: s.on_state(k, AFTER_PRE_FORWARD, (x,)))
+        each(lambda s: s.add("cpu", INDEX[ALL_GATHER], -512))
+        each(lambda s: s.add("cpu", INDEX[UNSHARDED_PARAM], 512))
+        tensor(rng.randint(1, 100), TEMP)
+        tensor(rng.randint(1, 100), ACTIVATION)
+        free_some()
+        out = torch.empty(rng.randint(1, 64))
+        each(lambda s, k=key, o=out: s.on_state(k, BEFORE_POST_FORWARD, o))
+        each(lambda s: s.add("cpu", INDEX[UNSHARDED_PARAM], -512))
+        alive.append(out)
+    for key in reversed(keys):
+        each(lambda s, k=key: s.on_state(k, AFTER_POST_FORWARD, None))
+    for key in reversed(keys):
+        each(lambda s, k=key: s.on_state(k, BEFORE_PRE_BACKWARD))
+        each(lambda s, k=key: s.on_state(k, AFTER_PRE_BACKWARD))
+        tensor(rng.randint(1, 200), TEMP)
+        each(lambda s: s.add("cpu", INDEX[REDUCE_SCATTER], 256))
+        free_some()
+        each(lambda s, k=key: s.on_state(k, BEFORE_POST_BACKWARD))
+        each(lambda s: s.add("cpu", INDEX[REDUCE_SCATTER], -256))
+        each(lambda s, k=key: s.on_state(k, AFTER_POST_BACKWARD))
+    # two modules of one FSDP group: windows opened by the adapter, ended out of order
+    each(lambda s: s.open_window("a", PEAK_BACKWARD))
+    tensor(300, TEMP)
+    each(lambda s: s.open_window("b", PEAK_BACKWARD))
+    tensor(50, TEMP)
+    free_some()
+    each(lambda s: s.end_window("a", PEAK_BACKWARD, True))
+    tensor(10, TEMP)
+    each(lambda s: s.close_window("b", PEAK_BACKWARD))
+    alive.clear()
+    gc.collect()
+
+
+@pytest.mark.parametrize("read_every", [0, 1, 7])
+def test_a_deferred_ledger_reads_what_an_immediate_one_does(read_every: int) -> None:
+    sinks, errors = _pair()
+    rng = random.Random(read_every)
+    for _ in range(3):
+        _random_step(sinks, rng, blocks=4, read_every=read_every)
+        _same(sinks)
+        assert _reports(sinks[1]) == _reports(sinks[0])
+        assert sinks[1].ledger.step_peak() == sinks[0].ledger.step_peak()
+        for sink in sinks:
+            sink.end_step()
+            sink.recorder.reset()
+            sink.ledger.reset_step()
+    assert not errors
+    assert sinks[1].ledger.pending == [] and sinks[1].ledger.current == sinks[0].ledger.current
+
+
+def test_deferred_snapshots_keep_the_time_of_their_event() -> None:
+    sinks, _ = _pair()
+    sink = sinks[1]
+    for state in (BEFORE_PRE_FORWARD, AFTER_PRE_FORWARD, BEFORE_POST_FORWARD, AFTER_POST_FORWARD):
+        sink.on_state("m", state)
+    queued = [op[-1] for op in sink.ledger.pending or []]
+    times = sink.recorder.modules["m"].times
+    assert [times[s][0] for s in (BEFORE_PRE_FORWARD, AFTER_PRE_FORWARD, BEFORE_POST_FORWARD,
+                                  AFTER_POST_FORWARD)] == queued
+    assert sink.ledger.pending == []
+
+
+def test_the_pending_log_holds_no_tensor_and_is_bounded() -> None:
+    sinks, _ = _pair()
+    sink = sinks[1]
+    t = torch.empty(1000)
+    ref = weakref.ref(t)
+    sink.on_state("m", BEFORE_PRE_FORWARD)
+    sink.on_state("m", AFTER_PRE_FORWARD, (t,))  # an input: accounted, its bytes queued
+    assert sink.ledger.pending
+    del t
+    gc.collect()
+    assert ref() is None  # the log keeps numbers and names, not the tensor
+    for _ in range(40_000):  # a loop that never calls step(): the log replays itself when long
+        sink.on_state("m", BEFORE_POST_FORWARD)
+        sink.on_state("m", AFTER_POST_FORWARD)
+    assert len(sink.ledger.pending or []) <= 1 << 16
+    assert sink.ledger.current["cpu"]["total"] == 0
+
+
+def test_a_failing_event_is_raised_after_the_others_replay() -> None:
+    ledger = Ledger()
+    ledger.defer(True)
+
+    def broken() -> None:
+        raise RuntimeError("boom")
+
+    assert ledger.pending is not None
+    ledger.pending.append((broken,))
+    ledger._add("cpu", INDEX[TEMP], 100)
+    with pytest.raises(RuntimeError, match="boom"):
+        ledger.flush()
+    assert ledger.current["cpu"]["total"] == 100  # the change after the failure still counted
+    assert ledger.pending == []
+
+
+def test_deferral_is_off_where_windows_are_watched() -> None:
+    ledger = Ledger()
+    ledger.defer(True)
+    ledger._add("cpu", INDEX[TEMP], 10)
+    ledger.watch_windows(object())
+    assert ledger.pending is None and ledger.current["cpu"]["total"] == 10
+    ledger.defer(True)
+    assert ledger.pending is None
