@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import statistics
 import sys
@@ -221,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="diagnostic: every entry point returns at once (the floor of being called; reports not valid)")
     p.add_argument("--stub-activation-entries", action="store_true",
                    help="diagnostic: saved activations as integers, no entry or weak reference (reports not valid)")
+    p.add_argument("--gc", choices=("on", "off", "freeze"), default="on",
+                   help="diagnostic: Python's cyclic garbage collector as usual (on), disabled for the whole run "
+                        "(off), or with everything built before the timed rounds frozen out of it (freeze)")
     args = p.parse_args(argv)
     if args.stub_activation_entries:
         stub_activation_entries()
@@ -254,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.nested:
         instrument_nested()
     run(None)  # warm-up: optimizer state, allocator
+    if args.gc == "off":
+        gc.disable()
+    elif args.gc == "freeze":
+        gc.collect()
+        gc.freeze()
     shares: list[float] = []
     raw_shares: list[float] = []
     for _ in range(args.rounds):
