@@ -2,7 +2,9 @@
 
 ``Sink`` is the ``EventSink`` the adapters see. Every call is contained (a failure goes to
 ``on_error`` and never reaches FSDP) and does O(1) work: a state event takes one snapshot of the
-ledger's counters and opens or closes a peak window (``StepRecorder``); light mode's saved
+ledger's counters and opens or closes a peak window (``StepRecorder``; in light mode the event
+and the counter changes are only queued, and replayed in order when the counters are read:
+``counters.Counters.defer``); light mode's saved
 tensors are accounted by autograd's saved-tensor hooks (``SavedTensorAccounting``), pushed while
 the outermost FSDP forward runs and, for an FSDP module recomputed inside a checkpointed region,
 while it is recomputed; FSDP buffers enter the ledger as tensors (``track*``) or, where FSDP's own
