@@ -117,12 +117,15 @@ class Counters:
         pending = self.pending
         if not pending or self._replaying:
             return
-        self.pending = []  # what frees while replaying goes here, after what is being replayed
         self._replaying = True
         apply = self._apply
         failures: list[Exception] = []
+        done = 0
         try:
+            # One list, consumed from the front: a change queued meanwhile (a free on another
+            # thread, or while replaying) lands behind these, in this loop or the next flush.
             for op in pending:
+                done += 1
                 try:
                     if op[0].__class__ is str:
                         apply(op[0], op[1], op[2])
@@ -131,6 +134,7 @@ class Counters:
                 except Exception as exc:  # noqa: BLE001 - replay the rest
                     failures.append(exc)
         finally:
+            del pending[:done]
             self._replaying = False
         if failures:
             if self.on_replay_error is None:

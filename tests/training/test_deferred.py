@@ -196,3 +196,20 @@ def test_deferral_is_off_where_windows_are_watched() -> None:
     assert ledger.pending is None and ledger.current["cpu"]["total"] == 10
     ledger.defer(True)
     assert ledger.pending is None
+
+
+def test_a_change_queued_while_replaying_comes_after_the_replayed_ones() -> None:
+    """A storage freed while the log replays (the collector, another thread: FSDP's gloo worker or
+    CUDA's autograd thread drop references whenever they finish) lands behind what is being
+    replayed, in the same list: it is neither applied early nor lost."""
+    ledger = Ledger()
+    ledger.defer(True)
+    held = [torch.empty(250)]  # 1000 bytes
+    ledger.track(held[0], TEMP)
+    seen: list[int] = []
+    assert ledger.pending is not None
+    ledger.pending.append((lambda: held.clear(),))  # the last reference goes while replaying
+    ledger.pending.append((lambda: seen.append(ledger.raw()["cpu"][-1]),))  # queued before the free
+    ledger.flush()
+    assert seen == [1000]  # the snapshot queued before the free still has the bytes
+    assert ledger.pending == [] and ledger.current["cpu"]["total"] == 0
