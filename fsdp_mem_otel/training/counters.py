@@ -19,6 +19,7 @@ first, so a reader sees what an immediate ledger would have shown. Knows no torc
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -92,6 +93,8 @@ class Counters:
         #: deferred mode: changes and recorder events waiting for ``flush`` (module docstring), else None
         self.pending: list[tuple[Any, ...]] | None = None
         self._replaying = False
+        #: seconds spent replaying (the sink counts them in its overhead and zeroes them per step)
+        self.replay_seconds = 0.0
         #: told of each event that fails in a replay (the tracker counts them); None: ``flush`` raises
         self.on_replay_error: Callable[[BaseException], None] | None = None
 
@@ -118,6 +121,7 @@ class Counters:
         if not pending or self._replaying:
             return
         self._replaying = True
+        started = time.perf_counter()
         apply = self._apply
         failures: list[Exception] = []
         done = 0
@@ -136,6 +140,7 @@ class Counters:
         finally:
             del pending[:done]
             self._replaying = False
+            self.replay_seconds += time.perf_counter() - started
         if failures:
             if self.on_replay_error is None:
                 raise failures[0]

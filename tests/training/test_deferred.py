@@ -213,3 +213,20 @@ def test_a_change_queued_while_replaying_comes_after_the_replayed_ones() -> None
     ledger.flush()
     assert seen == [1000]  # the snapshot queued before the free still has the bytes
     assert ledger.pending == [] and ledger.current["cpu"]["total"] == 0
+
+
+def test_the_replay_counts_in_the_trackers_overhead() -> None:
+    """``tracker_overhead_seconds`` (the fsdp_mem_step_overhead_seconds gauge) times on_state; with
+    the snapshots and windows now replayed later, the replay's time must count too, or the
+    reported overhead would fall while the work only moved."""
+    sinks, _ = _pair()
+    sink = sinks[1]
+    for i in range(200):
+        for state in (BEFORE_PRE_FORWARD, AFTER_PRE_FORWARD, BEFORE_POST_FORWARD, AFTER_POST_FORWARD):
+            sink.on_state(f"m{i}", state)
+    queued = sink.overhead
+    assert queued > 0 and sink.ledger.replay_seconds == 0
+    sink.ledger.flush()
+    assert sink.ledger.replay_seconds > 0 and sink.overhead == queued + sink.ledger.replay_seconds
+    sink.end_step()
+    assert sink.overhead == 0
