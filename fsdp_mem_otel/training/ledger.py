@@ -76,10 +76,8 @@ class Ledger(Counters):
     """Live bytes per device and category (``Counters``), from tracked storages and integer accounts."""
 
     def __init__(self) -> None:
-        # id(storage) -> [device, category index, nbytes, weakref, block, owner]; the weakref
-        # callback drops the entry; block is the allocator's rounding (512 on CUDA, else 1);
-        # owner: the FSDP module whose saved tensors, inputs or outputs these are (or None)
-        self._entries: dict[int, list[Any]] = {}
+        # id(storage) -> its entry, a weak reference whose callback drops it (``_Entry``)
+        self._entries: dict[int, _Entry] = {}
         #: FSDP module -> bytes of the storages it owns (``track_new(..., owner=)``) alive now
         self.owner_bytes: dict[str, int] = {}
         super().__init__()
@@ -150,7 +148,7 @@ class Ledger(Counters):
         """Set a known storage's bytes to 0, keeping the entry (its bytes move to an integer
         account, e.g. when deep mode hands back to light mode)."""
         entry = self._entries.get(id(st))
-        if entry is not None and entry[2]:
+        if entry is not None and entry.nbytes:
             self._resize(entry, 0)
 
     def track_storage(self, st: torch.UntypedStorage, category: str, recategorize: bool) -> None:
@@ -159,17 +157,17 @@ class Ledger(Counters):
         if entry is None:
             self._new_entry(st, cat)
             return
-        n = rounded(st.nbytes(), entry[4])
-        if n != entry[2]:
+        n = rounded(st.nbytes(), entry.block)
+        if n != entry.nbytes:
             self._resize(entry, n)
-        if recategorize and entry[1] != cat:
+        if recategorize and entry.cat != cat:
             self._relabel(entry, cat)
 
     def track_storages(self, storages: list[torch.UntypedStorage], category: str) -> None:
         """``track_storage(st, category, True)`` for each storage (an FSDP group's buffers)."""
         entries = self._entries
         cat = INDEX[category]
-        if all(entries.get(id(st), _NO_ENTRY)[1] == cat for st in storages):
+        if all(entries.get(id(st), _NO_ENTRY).cat == cat for st in storages):
             self.refresh_storages(storages)  # all known under this category: sizes only
             return
         for st in storages:
@@ -186,31 +184,32 @@ class Ledger(Counters):
         name, block = known
         key = id(st)
         n = rounded(st.nbytes(), block) if nbytes is None else nbytes
-        self._entries[key] = [name, cat, n, weakref.KeyedRef(st, self._on_free, key), block, owner]
+        entry = self._entries[key] = _Entry(st, self._on_free, key)
+        entry.device, entry.cat, entry.nbytes, entry.block, entry.owner = name, cat, n, block, owner
         if n:
             self._add(name, cat, n)
             if owner is not None:
                 self.owner_bytes[owner] = self.owner_bytes.get(owner, 0) + n
 
-    def _resize(self, entry: list[Any], n: int) -> None:
+    def _resize(self, entry: _Entry, n: int) -> None:
         """An entry's storage now has ``n`` bytes."""
-        delta = n - entry[2]
-        self._add(entry[0], entry[1], delta)
-        entry[2] = n
-        if entry[5] is not None:
-            self.owner_bytes[entry[5]] += delta
+        delta = n - entry.nbytes
+        self._add(entry.device, entry.cat, delta)
+        entry.nbytes = n
+        if entry.owner is not None:
+            self.owner_bytes[entry.owner] += delta
 
-    def _relabel(self, entry: list[Any], cat: int) -> None:
+    def _relabel(self, entry: _Entry, cat: int) -> None:
         self.flush()
-        device = entry[0]
+        device = entry.device
         cats = self._cur[device]
         self._settle(device)
-        cats[entry[1]] -= entry[2]
-        cats[cat] += entry[2]
-        entry[1] = cat
-        if entry[5] is not None:  # named by FSDP, the optimizer, the inputs: no module's anymore
-            self.owner_bytes[entry[5]] -= entry[2]
-            entry[5] = None
+        cats[entry.cat] -= entry.nbytes
+        cats[cat] += entry.nbytes
+        entry.cat = cat
+        if entry.owner is not None:  # named by FSDP, the optimizer, the inputs: no module's anymore
+            self.owner_bytes[entry.owner] -= entry.nbytes
+            entry.owner = None
 
     def relabel_guess(self, t: torch.Tensor, category: str, guesses: frozenset[str]) -> None:
         """Account ``t`` under ``category`` unless it already holds a category outside ``guesses``.
@@ -222,7 +221,7 @@ class Ledger(Counters):
         guessed = {INDEX[g] for g in guesses}
         for st in storages_of(t, self.fake_mode):
             entry = self._entries.get(id(st))
-            self.track_storage(st, category, recategorize=entry is None or entry[1] in guessed)
+            self.track_storage(st, category, recategorize=entry is None or entry.cat in guessed)
 
     def refresh(self, t: torch.Tensor) -> None:
         """Re-read the sizes of ``t``'s storages (after ``resize_``), keeping their categories."""
@@ -233,8 +232,8 @@ class Ledger(Counters):
         """Re-read one storage's size (deep mode's resize_ watch calls this)."""
         entry = self._entries.get(id(st))
         if entry is not None:
-            n = rounded(st.nbytes(), entry[4])
-            if n != entry[2]:
+            n = rounded(st.nbytes(), entry.block)
+            if n != entry.nbytes:
                 self._resize(entry, n)
 
     def refresh_storages(self, storages: list[torch.UntypedStorage]) -> None:
@@ -245,13 +244,13 @@ class Ledger(Counters):
         for st in storages:
             entry = entries.get(id(st))
             if entry is not None:
-                n = rounded(st.nbytes(), entry[4])
-                if n != entry[2]:
-                    where = (entry[0], entry[1])
-                    deltas[where] = deltas.get(where, 0) + n - entry[2]
-                    if entry[5] is not None:
-                        self.owner_bytes[entry[5]] += n - entry[2]
-                    entry[2] = n
+                n = rounded(st.nbytes(), entry.block)
+                if n != entry.nbytes:
+                    where = (entry.device, entry.cat)
+                    deltas[where] = deltas.get(where, 0) + n - entry.nbytes
+                    if entry.owner is not None:
+                        self.owner_bytes[entry.owner] += n - entry.nbytes
+                    entry.nbytes = n
         for (device, cat), delta in deltas.items():
             if delta:
                 self._add(device, cat, delta)
@@ -262,25 +261,43 @@ class Ledger(Counters):
         return len(self._entries)
 
 
-_NO_ENTRY: list[Any] = [None, None]
+class _Entry(weakref.KeyedRef):
+    """A tracked storage: a weak reference to it (``key``: ``id(storage)``) carrying what the
+    ledger counts for it. One object per storage, not a reference and a list: saved activations
+    live from forward to backward, long enough for the collector to move each object they make
+    into an older generation, whose growth brings on full collections."""
+
+    __slots__ = ("block", "cat", "device", "nbytes", "owner")
+    device: str  # the device's name
+    cat: int  # category index (``INDEX``)
+    nbytes: int  # as counted (rounded to the allocator's block)
+    block: int  # the allocator's rounding: 512 on CUDA (with caching), else 1
+    owner: str | None  # the FSDP module whose saved tensors, inputs or outputs these are
 
 
-def _free_callback(entries: dict[int, list[Any]], ledger_ref: weakref.ref[Ledger]) -> Any:
+class _NoEntry:
+    cat = None
+
+
+_NO_ENTRY = _NoEntry()
+
+
+def _free_callback(entries: dict[int, _Entry], ledger_ref: weakref.ref[Ledger]) -> Any:
     """The weakref callback shared by all of a ledger's entries: drop the freed storage's bytes.
 
     One function per ledger (the storage's key travels on the KeyedRef) instead of a closure per
     entry; it holds the ledger weakly so a dropped tracker is collected.
     """
 
-    def on_free(ref: weakref.KeyedRef) -> None:
+    def on_free(ref: _Entry) -> None:
         entry = entries.get(ref.key)
-        if entry is None or entry[3] is not ref:
+        if entry is not ref:  # an entry made since for a new storage at the same address
             return
         del entries[ref.key]
         ledger = ledger_ref()
-        if ledger is not None and entry[2]:
-            ledger._add(entry[0], entry[1], -entry[2])
-            if entry[5] is not None:
-                ledger.owner_bytes[entry[5]] -= entry[2]
+        if ledger is not None and entry.nbytes:
+            ledger._add(entry.device, entry.cat, -entry.nbytes)
+            if entry.owner is not None:
+                ledger.owner_bytes[entry.owner] -= entry.nbytes
 
     return on_free
