@@ -1,0 +1,74 @@
+"""The light-mode pack hook on its own (no processes): what it hands autograd, and that nothing it
+hands over keeps a dropped graph alive."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+
+from fsdp_mem_otel.schema import ACTIVATION
+from fsdp_mem_otel.training.activations import SavedTensorAccounting
+from fsdp_mem_otel.training.ledger import Ledger
+
+
+def _accounting() -> tuple[Ledger, SavedTensorAccounting, list[BaseException]]:
+    ledger = Ledger()
+    errors: list[BaseException] = []
+    return ledger, SavedTensorAccounting(ledger, errors.append), errors
+
+
+def test_leaves_go_as_they_are_and_the_rest_as_detached_aliases() -> None:
+    ledger, acct, errors = _accounting()
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(4, 16)
+    h = torch.randn(4, 16, requires_grad=True) * 2  # not a leaf
+    assert acct._pack(w) is w
+    assert acct._pack(x) is x
+    alias = acct._pack(h)
+    assert alias is not h and alias.grad_fn is None
+    assert alias.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()
+    assert not errors
+    # each storage counted once, as an activation (w and x are not known to the ledger otherwise)
+    assert ledger.category_bytes(ACTIVATION) == (16 * 16 + 4 * 16 + 4 * 16) * 4
+
+
+def test_gradients_equal_untracked_ones() -> None:
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(16, 16, requires_grad=True), torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(4, 16)
+
+    def grads(push: bool) -> list[torch.Tensor]:
+        _, acct, errors = _accounting()
+        if push:
+            acct.push()
+        try:
+            loss = torch.sigmoid(x @ w1).exp().mul(w2.sum()).sum()
+        finally:
+            acct.pop()
+        g = torch.autograd.grad(loss, [w1, w2])
+        assert not errors
+        return list(g)
+
+    for tracked, untracked in zip(grads(True), grads(False), strict=True):
+        assert torch.equal(tracked, untracked)
+
+
+def test_a_graph_dropped_without_backward_frees_what_it_saved() -> None:
+    # sigmoid and exp save their outputs: held as themselves, each would keep its own grad_fn
+    # (and so the graph and itself) alive after the graph is dropped
+    ledger, acct, _ = _accounting()
+    w = torch.randn(16, 16, requires_grad=True)
+    acct.push()
+    try:
+        out = torch.sigmoid(torch.randn(4, 16) @ w).exp()
+    finally:
+        acct.pop()
+    saved_output = weakref.ref(out)
+    inner = weakref.ref(out.grad_fn._saved_result)  # type: ignore[union-attr]
+    assert ledger.category_bytes(ACTIVATION) > 0
+    del out
+    gc.collect()
+    assert saved_output() is None and inner() is None
+    assert ledger.category_bytes(ACTIVATION) == 0  # mm saved the input alone (w needs no gradient of x)
