@@ -90,8 +90,8 @@ class Counters:
         # per op (offer_current), the instants upstream MemTracker evaluates, so both agree.
         self.offer_on_add = True
         self.window_watch: Any = None  # told of window edges (allocator_temps.AllocatorTemps) or None
-        #: deferred mode: changes and recorder events waiting for ``flush`` (module docstring), else None
-        self.pending: list[tuple[Any, ...]] | None = None
+        #: deferred mode: changes and recorder events waiting for ``flush``, flat (see ``flush``), else None
+        self.pending: list[Any] | None = None
         self._replaying = False
         #: seconds spent replaying (the sink counts them in its overhead and zeroes them per step)
         self.replay_seconds = 0.0
@@ -113,8 +113,12 @@ class Counters:
     def flush(self) -> None:
         """Replay the pending changes and events in order (a no-op when there are none).
 
-        Adds are ``(device, category index, delta)``; anything else is ``(method, *args)``. A
-        failing event does not stop the others: each goes to ``on_replay_error``, or the first is
+        The log is one flat list of names, numbers and the recorder's bound methods, none of which
+        the cyclic collector counts (a tuple per entry, alive until the replay, brought on a
+        collection every ~700 of them: several a step, and objects promoted to older generations):
+        an add is ``device, category index, delta``; an event is ``method, n, *n args``. Each is
+        put in with one ``extend`` so that one queued from another thread never lands inside it.
+        A failing event does not stop the others: each goes to ``on_replay_error``, or the first is
         raised at the end.
         """
         pending = self.pending
@@ -124,21 +128,24 @@ class Counters:
         started = time.perf_counter()
         apply = self._apply
         failures: list[Exception] = []
-        done = 0
+        i = 0
         try:
             # One list, consumed from the front: a change queued meanwhile (a free on another
             # thread, or while replaying) lands behind these, in this loop or the next flush.
-            for op in pending:
-                done += 1
+            while i < len(pending):
+                head = pending[i]
                 try:
-                    if op[0].__class__ is str:
-                        apply(op[0], op[1], op[2])
+                    if head.__class__ is str:
+                        i += 3
+                        apply(head, pending[i - 2], pending[i - 1])
                     else:
-                        op[0](*op[1:])
+                        n = pending[i + 1]
+                        i += 2 + n
+                        head(*pending[i - n:i])
                 except Exception as exc:  # noqa: BLE001 - replay the rest
                     failures.append(exc)
         finally:
-            del pending[:done]
+            del pending[:i]
             self._replaying = False
             self.replay_seconds += time.perf_counter() - started
         if failures:
@@ -147,11 +154,19 @@ class Counters:
             for err in failures:
                 self.on_replay_error(err)
 
+    def queue(self, event: Callable[..., None], *args: Any) -> None:
+        """``event(*args)`` now, or at the next replay where changes are deferred."""
+        pending = self.pending
+        if pending is None:
+            event(*args)
+        else:
+            pending.extend((event, len(args), *args))
+
     # -- changes -------------------------------------------------------------------------------
     def _add(self, device: str, cat: int, delta: int) -> None:
         pending = self.pending
         if pending is not None:
-            pending.append((device, cat, delta))
+            pending.extend((device, cat, delta))  # the tuple goes at once: the collector never counts it
         else:
             self._apply(device, cat, delta)
 

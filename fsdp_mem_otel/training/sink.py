@@ -131,7 +131,7 @@ class Sink:
             if pending is None:
                 self.recorder.on_state(key, state, in_backward, windowed)
             else:  # replayed when read (``Ledger.flush``), with this time
-                pending.append((self._record_state, key, state, in_backward, windowed, time.time_ns()))
+                pending.extend((self._record_state, 5, key, state, in_backward, windowed, time.time_ns()))
                 if len(pending) > _FLUSH_AT:
                     self.ledger.flush()
             if self._sample is not None and state in _SAMPLED:
@@ -177,11 +177,10 @@ class Sink:
 
     def _record(self, event: Callable[..., None], *args: Any) -> None:
         # a recorder event now, or queued with its time where the ledger defers (see on_state)
-        pending = self.ledger.pending
-        if pending is None:
+        if self.ledger.pending is None:
             event(*args)
         else:
-            pending.append((event, *args, time.time_ns()))
+            self.ledger.queue(event, *args, time.time_ns())
 
     def _note_raising_forward(self) -> None:
         # Post-forward hooks with no outputs while an exception propagates: the forward raised

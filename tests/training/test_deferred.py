@@ -147,7 +147,8 @@ def test_deferred_snapshots_keep_the_time_of_their_event() -> None:
     sink = sinks[1]
     for state in (BEFORE_PRE_FORWARD, AFTER_PRE_FORWARD, BEFORE_POST_FORWARD, AFTER_POST_FORWARD):
         sink.on_state("m", state)
-    queued = [op[-1] for op in sink.ledger.pending or []]
+    pending = sink.ledger.pending or []
+    queued = [pending[i + 6] for i, x in enumerate(pending) if x == sink.recorder.on_state]
     times = sink.recorder.modules["m"].times
     assert [times[s][0] for s in (BEFORE_PRE_FORWARD, AFTER_PRE_FORWARD, BEFORE_POST_FORWARD,
                                   AFTER_POST_FORWARD)] == queued
@@ -172,6 +173,31 @@ def test_the_pending_log_holds_no_tensor_and_is_bounded() -> None:
     assert sink.ledger.current["cpu"]["total"] == 0
 
 
+def test_the_pending_log_gives_the_collector_nothing_to_count() -> None:
+    """Entries wait in the log from their event to the replay, most of a step: an object per entry
+    would bring on a collection every ~700 of them and be moved to older generations. The log
+    holds names, numbers and the recorder's one bound method, never an object made per entry."""
+    sinks, _ = _pair()
+    sink = sinks[1]
+    tensors = [torch.empty(100 * (i + 1)) for i in range(5)]
+    sink.on_state("m", BEFORE_PRE_FORWARD)
+    sink.on_state("m", AFTER_PRE_FORWARD, tuple(tensors))  # five inputs: five byte changes
+    sink.open_window("m", PEAK_BACKWARD)
+    del tensors  # five frees, queued from the weak references' callbacks
+    gc.collect()
+    for _ in range(50):
+        sink.on_state("m", BEFORE_POST_FORWARD)
+        sink.on_state("m", AFTER_POST_FORWARD)
+    pending = sink.ledger.pending or []
+    assert len(pending) >= 3 * 10 + 7 * 102
+    assert [x for x in pending if x.__class__ is str and x == "cpu"] == ["cpu"] * 10  # the byte changes
+    # what the collector sees in the log: the same few objects (the recorder's methods, the state
+    # names), however many entries wait
+    seen = {id(x) for x in pending if gc.is_tracked(x)}
+    assert len(seen) <= 8  # on_state, open_window, the four states, the peak state: 7
+    assert sink.ledger.current["cpu"]["total"] == 0 and sink.ledger.pending == []
+
+
 def test_a_failing_event_is_raised_after_the_others_replay() -> None:
     ledger = Ledger()
     ledger.defer(True)
@@ -179,8 +205,7 @@ def test_a_failing_event_is_raised_after_the_others_replay() -> None:
     def broken() -> None:
         raise RuntimeError("boom")
 
-    assert ledger.pending is not None
-    ledger.pending.append((broken,))
+    ledger.queue(broken)
     ledger._add("cpu", INDEX[TEMP], 100)
     with pytest.raises(RuntimeError, match="boom"):
         ledger.flush()
@@ -207,9 +232,8 @@ def test_a_change_queued_while_replaying_comes_after_the_replayed_ones() -> None
     held = [torch.empty(250)]  # 1000 bytes
     ledger.track(held[0], TEMP)
     seen: list[int] = []
-    assert ledger.pending is not None
-    ledger.pending.append((lambda: held.clear(),))  # the last reference goes while replaying
-    ledger.pending.append((lambda: seen.append(ledger.raw()["cpu"][-1]),))  # queued before the free
+    ledger.queue(held.clear)  # the last reference goes while replaying
+    ledger.queue(lambda: seen.append(ledger.raw()["cpu"][-1]))  # queued before the free
     ledger.flush()
     assert seen == [1000]  # the snapshot queued before the free still has the bytes
     assert ledger.pending == [] and ledger.current["cpu"]["total"] == 0
