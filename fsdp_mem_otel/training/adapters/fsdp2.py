@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -183,16 +184,18 @@ class FSDP2Adapter:
         handles = self._handles  # one at a time: a failing registration leaves the others removable
         for key, mod in self._modules:
             member = shared.get(key)
+            state = mod._get_fsdp_state()  # type: ignore[operator]
+            begins, ends = partial(self._forward_begins, state), partial(self._forward_ends, state)
             if member is None:
                 handles.append(mod.register_forward_pre_hook(
-                    _begin_hook(sink, key, self._forward_begins, self._inputs_seen), prepend=True, with_kwargs=True))
+                    _begin_hook(sink, key, begins, self._inputs_seen), prepend=True, with_kwargs=True))
             else:  # also sees the inputs, before FSDP's pre-forward wraps them
-                handles.append(mod.register_forward_pre_hook(_member_pre_hook(sink, key, member, self._forward_begins),
+                handles.append(mod.register_forward_pre_hook(_member_pre_hook(sink, key, member, begins),
                                                              prepend=True, with_kwargs=True))
             handles.append(mod.register_forward_pre_hook(_inputs_hook(sink, key), with_kwargs=True))
             handles.append(mod.register_forward_hook(_io_hook(sink, key, BEFORE_POST_FORWARD, windows=member),
                                                      prepend=True))
-            handles.append(mod.register_forward_hook(_io_hook(sink, key, AFTER_POST_FORWARD, first=self._forward_ends),
+            handles.append(mod.register_forward_hook(_io_hook(sink, key, AFTER_POST_FORWARD, first=ends),
                                                      always_call=True))
         managed: set[int] = set()
         for keys, group in groups:
@@ -314,7 +317,12 @@ class FSDP2Adapter:
         if self.per_tensor:  # a deep step
             _guarded(self._sink, lambda: self._backward_ends.forward(key, (args, kwargs)))
 
-    def _forward_begins(self) -> None:
+    # FSDP lets go of buffers without an event of its groups only outside a forward (the final
+    # callback, zero_grad) and at its outermost post-forward (the deferred all-gather output):
+    # inner modules' forwards leave the mirrors alone.
+    def _forward_begins(self, state: Any) -> None:
+        if _inside_forward(state):
+            return
         for mirror in self._mirrors.values():
             mirror.reconcile()
         if self._check_grads:  # once per step, at its first forward: zero_grad ran before it
@@ -322,7 +330,9 @@ class FSDP2Adapter:
             for acct in self._accounts:
                 acct.reconcile()
 
-    def _forward_ends(self) -> None:
+    def _forward_ends(self, state: Any) -> None:
+        if _inside_forward(state):
+            return
         for mirror in self._mirrors.values():  # the root's post-forward frees the deferred output
             mirror.reconcile()
 
@@ -412,6 +422,12 @@ class _Accounts:
 
     def reconcile(self) -> None:
         self.current.reconcile()
+
+
+def _inside_forward(state: Any) -> bool:
+    """Whether an FSDP forward runs around ``state``'s module (its root's pre-forward ran and its
+    post-forward did not yet), from FSDP's shared state context."""
+    return getattr(state._state_ctx, "iter_forward_root", None) is not None
 
 
 def _around(

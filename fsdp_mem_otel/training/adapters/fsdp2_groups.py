@@ -282,6 +282,7 @@ class LightGroup:
         self._accumulated_full: int | None = None
         self._sharded_grads_full: tuple[int, str] | None = None
         self._rs_full: int | None = None
+        self._ag_numel, self._ag_dtype, self._ag_bytes = -1, None, 0  # the last all-gather output's
 
     # -- learning sizes (once per buffer, per-parameter work allowed here) ----------------------
     def _unsharded_bytes(self) -> int:
@@ -301,7 +302,10 @@ class LightGroup:
     def after_unshard(self) -> None:
         result = self.group._all_gather_result
         if result is not None and not self._pending_ag:
-            self._pending_ag = _storage_bytes(result.all_gather_output)
+            out = result.all_gather_output  # a new flat tensor per all-gather, the same shape each time
+            if out.numel() != self._ag_numel or out.dtype is not self._ag_dtype:
+                self._ag_numel, self._ag_dtype, self._ag_bytes = out.numel(), out.dtype, _storage_bytes(out)
+            self._pending_ag = self._ag_bytes
             self._sink.add(self.dev, _AG, self._pending_ag)
 
     def pending_all_gather(self) -> int:
