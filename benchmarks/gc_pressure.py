@@ -77,7 +77,7 @@ def run(blocks: int, steps: int, tracked: bool) -> str:
     gc.enable()
     if tracker is not None:
         tracker.close()
-    per_step = ", ".join(f"gen{g} {c / steps:.2f} ({s / steps * 1e6:.0f} us)"
+    per_step = ", ".join(f"gen{g} {c / steps:.2f} ({c} in all, {s / steps * 1e6:.0f} us)"
                          for g, (c, s) in enumerate(zip(seen.count, seen.seconds, strict=True)))
     return (f"{'light' if tracked else 'untracked':9s} {blocks} blocks: step {wall / steps * 1e3:.1f} ms; "
             f"collections per step: {per_step}; total {sum(seen.seconds) / steps * 1e6:.0f} us/step\n"
