@@ -506,7 +506,8 @@ def fleet_overview(sdk: Any) -> Dashboard:
           "Grows while a rank is stuck (e.g. in a collective with a dead peer); the job drill-down shows which.",
           [Query(f"time() - max by ({_JOB}) ({job(REC_JOB_LAST_STEP)})", "{{job_name}}")], 6, 8)
     b.add(timeseries(sdk, "percentunit"), "Tracker overhead (share of step time, largest rank)",
-          "Time in the tracker's hooks over the step's wall-clock time, last step, largest over the job's ranks.",
+          "Time in the tracker's module-state hooks and deferred accounting over the step's wall-clock time, last "
+          "step, largest over the job's ranks: a lower bound (its FSDP group and saved-tensor hooks are not timed).",
           [Query(f"max by ({_JOB}) ({job(REC_JOB_OVERHEAD)})", "{{job_name}}")], 6, 8)
     b.add(timeseries(sdk, "short"), "Tracker and exporter errors",
           "Internal failures per interval, summed over the job's ranks (never raised into training).",
