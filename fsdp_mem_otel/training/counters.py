@@ -134,6 +134,7 @@ class Counters:
             # thread, or while replaying) lands behind these, in this loop or the next flush.
             while i < len(pending):
                 head = pending[i]
+                at = i
                 try:
                     if head.__class__ is str:
                         i += 3
@@ -144,6 +145,8 @@ class Counters:
                         head(*pending[i - n:i])
                 except Exception as exc:  # noqa: BLE001 - replay the rest
                     failures.append(exc)
+                    if i == at:  # not an entry's head: where the next one starts is unknown
+                        i = len(pending)
         finally:
             del pending[:i]
             self._replaying = False

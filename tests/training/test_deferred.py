@@ -213,6 +213,18 @@ def test_a_failing_event_is_raised_after_the_others_replay() -> None:
     assert ledger.pending == []
 
 
+def test_a_malformed_log_fails_once_and_is_dropped() -> None:
+    ledger = Ledger()
+    ledger.defer(True)
+    ledger._add("cpu", INDEX[TEMP], 100)
+    assert ledger.pending is not None
+    ledger.pending.extend((None, "not a length"))  # no entry begins like this
+    ledger._add("cpu", INDEX[TEMP], 1)  # unreadable after it
+    with pytest.raises(TypeError):
+        ledger.flush()
+    assert ledger.pending == [] and ledger.current["cpu"]["total"] == 100
+
+
 def test_deferral_is_off_where_windows_are_watched() -> None:
     ledger = Ledger()
     ledger.defer(True)
