@@ -167,7 +167,7 @@ class Ledger(Counters):
         """``track_storage(st, category, True)`` for each storage (an FSDP group's buffers)."""
         entries = self._entries
         cat = INDEX[category]
-        if all(entries.get(id(st), _NO_ENTRY).cat == cat for st in storages):
+        if all((e := entries.get(id(st))) is not None and e.cat == cat for st in storages):
             self.refresh_storages(storages)  # all known under this category: sizes only
             return
         for st in storages:
@@ -273,13 +273,6 @@ class _Entry(weakref.KeyedRef):
     nbytes: int  # as counted (rounded to the allocator's block)
     block: int  # the allocator's rounding: 512 on CUDA (with caching), else 1
     owner: str | None  # the FSDP module whose saved tensors, inputs or outputs these are
-
-
-class _NoEntry:
-    cat = None
-
-
-_NO_ENTRY = _NoEntry()
 
 
 def _free_callback(entries: dict[int, _Entry], ledger_ref: weakref.ref[Ledger]) -> Any:

@@ -130,7 +130,7 @@ class Sink:
             pending = self.ledger.pending
             if pending is None:
                 self.recorder.on_state(key, state, in_backward, windowed)
-            else:  # replayed when read (``Ledger.flush``), with this time
+            else:  # ``Counters.queue`` written out (the hot path): replayed when read, with this time
                 pending.extend((self._record_state, 5, key, state, in_backward, windowed, time.time_ns()))
                 if len(pending) > _FLUSH_AT:
                     self.ledger.flush()
@@ -176,11 +176,8 @@ class Sink:
                 self.report_error(exc)
 
     def _record(self, event: Callable[..., None], *args: Any) -> None:
-        # a recorder event now, or queued with its time where the ledger defers (see on_state)
-        if self.ledger.pending is None:
-            event(*args)
-        else:
-            self.ledger.queue(event, *args, time.time_ns())
+        # a recorder event, with its time: now, or replayed where the ledger defers
+        self.ledger.queue(event, *args, time.time_ns())
 
     def _note_raising_forward(self) -> None:
         # Post-forward hooks with no outputs while an exception propagates: the forward raised
