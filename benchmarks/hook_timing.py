@@ -70,7 +70,7 @@ def timed(name: str, fn: Callable[..., Any], times: collections.Counter[str] = T
 #: ``--nested``: methods timed inside the entry points (every call, nested or not), to split them
 NESTED_POINTS: dict[str, tuple[str, ...]] = {
     "fsdp_mem_otel.training.recorder.StepRecorder": ("on_state", "close_open_windows"),
-    "fsdp_mem_otel.training.ledger.Ledger": ("track_new", "raw", "open_window", "close_window_raw", "step_peak",
+    "fsdp_mem_otel.training.ledger.Ledger": ("track_new", "snap", "open_window", "close_window_raw", "step_peak",
                                              "flush"),
     "fsdp_mem_otel.training.adapters.fsdp2_groups.CommMirror": ("before_wait", "after_wait", "after_post_backward",
                                                                 "reconcile"),
@@ -149,7 +149,7 @@ def stub_on_state() -> None:
 
     def on_state(self: sink.Sink, key: str, state: str, tensors: object = None, windowed: bool = True) -> None:
         if self.active:
-            self.recorder._log.append((key, state, {}, 0))
+            self.recorder._append(key, state, (), 0)
 
     sink.Sink.on_state = on_state  # type: ignore[method-assign]
 
@@ -164,7 +164,7 @@ def stub_all() -> None:
 
     def on_state(self: sink.Sink, key: str, state: str, tensors: object = None, windowed: bool = True) -> None:
         if self.active:
-            self.recorder._log.append((key, state, {}, 0))
+            self.recorder._append(key, state, (), 0)
             if sink._in_backward() == -1:  # the sink's own push and pop of the saved-tensor hooks
                 if state == BEFORE_PRE_FORWARD:
                     self._forward_begins()

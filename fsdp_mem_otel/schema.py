@@ -147,22 +147,50 @@ class ModuleReport:
 
 
 class CountedModuleReport(ModuleReport):
-    """A ModuleReport whose snapshots stay counter lists (``breakdown_of``) until first read: the
-    tracker hands these to exporters, which read them on their own threads."""
+    """A ModuleReport whose snapshots stay counters (``device_counters``) until first read: the
+    tracker hands these to exporters, which read them on their own threads.
 
-    def __init__(self, counters: dict[str, list[dict[str, list[int]]]], times: dict[str, list[int]],
-                 peak_totals: tuple[int | None, int | None] | None = None) -> None:
+    Given ``counters`` and ``times`` (state -> one entry per call), or ``log`` (the step's states,
+    counters and times, parallel lists) and ``at`` (this module's positions in it), which are
+    sorted per state when first read: the tracker's form, with no container per module or state
+    for the step to keep alive."""
+
+    def __init__(self, counters: dict[str, list[Any]] | None, times: dict[str, list[int]] | None,
+                 peak_totals: tuple[int | None, int | None] | None = None,
+                 log: tuple[list[str], list[Any], list[int]] | None = None, at: tuple[int, ...] = ()) -> None:
         self._counters = counters
+        self._times = times
+        self._log = log if counters is None else None
+        self._at = at
         self._snapshots: dict[str, list[DeviceBreakdown]] | None = None
-        self.times = times
         #: the largest ``total`` of ``peak_forward`` and of ``peak_backward`` (None: not reached),
         #: computed by the recorder; None when not given (``exporters.peaks`` then reads the counters)
         self.peak_totals = peak_totals
 
+    def _sorted(self) -> tuple[dict[str, list[Any]], dict[str, list[int]]]:
+        if self._counters is None or self._times is None:
+            counters: dict[str, list[Any]] = {}
+            times: dict[str, list[int]] = {}
+            if self._log is not None:
+                states, snaps, stamps = self._log
+                for i in self._at:
+                    state = states[i]
+                    calls = counters.get(state)
+                    if calls is None:
+                        counters[state], times[state] = [snaps[i]], [stamps[i]]
+                    else:
+                        calls.append(snaps[i])
+                        times[state].append(stamps[i])
+            # two threads may sort at once: each sets the same lists' equals
+            self._counters = counters if self._counters is None else self._counters
+            self._times = times if self._times is None else self._times
+            self._log = None
+        return self._counters, self._times
+
     @property  # type: ignore[override]
     def snapshots(self) -> dict[str, list[DeviceBreakdown]]:
         if self._snapshots is None:
-            self._snapshots = {s: [breakdown_of(b) for b in calls] for s, calls in self._counters.items()}
+            self._snapshots = {s: [breakdown_of(b) for b in calls] for s, calls in self._sorted()[0].items()}
         return self._snapshots
 
     @snapshots.setter
@@ -170,24 +198,45 @@ class CountedModuleReport(ModuleReport):
         self._snapshots = value
         self.peak_totals = None  # they were the counters'
 
+    @property  # type: ignore[override]
+    def times(self) -> dict[str, list[int]]:
+        return self._sorted()[1]
+
+    @times.setter
+    def times(self, value: dict[str, list[int]]) -> None:
+        self._sorted()
+        self._times = value
+
     @property
-    def counters(self) -> dict[str, list[dict[str, list[int]]]] | None:
-        """State -> one ``{device: counter list}`` per call (``breakdown_of`` turns one into a
-        snapshot), while ``snapshots`` has not built its dicts; None once it has (read those)."""
-        return self._counters if self._snapshots is None else None
+    def counters(self) -> dict[str, list[Any]] | None:
+        """State -> one snapshot's counters per call (``breakdown_of`` turns one into a snapshot),
+        while ``snapshots`` has not built its dicts; None once it has (read those)."""
+        return self._sorted()[0] if self._snapshots is None else None
 
 
-def largest_total(calls: list[dict[str, list[int]]]) -> int:
-    """The largest ``total`` over one state's counter lists, every call and device (0 for none)."""
-    if len(calls) == 1 and len(calls[0]) == 1:  # one call on one device: nearly every module
-        for counters in calls[0].values():
-            return counters[_TOTAL_AT]
-    return max([c[_TOTAL_AT] for call in calls for c in call.values()], default=0)
+def device_counters(snap: Any) -> Any:
+    """(device, counters) pairs of one snapshot: a ``{device: counters}`` dict, or the tracker's
+    flat ``(device, counters, device, counters, ...)`` tuple (``training.counters.Snap``)."""
+    return snap.items() if isinstance(snap, dict) else zip(snap[::2], snap[1::2], strict=True)
 
 
-def breakdown_of(counters: dict[str, list[int]]) -> DeviceBreakdown:
-    """Counter lists (device -> bytes indexed like ``CATEGORY_KEYS``) as ``{device: {category: bytes}}``."""
-    return {d: dict(zip(CATEGORY_KEYS, c, strict=True)) for d, c in counters.items()}
+def largest_total(calls: list[Any]) -> int:
+    """The largest ``total`` over one state's snapshots (``device_counters``), every call and
+    device (0 for none)."""
+    if len(calls) == 1:  # one call on one device: nearly every module
+        snap = calls[0]
+        if len(snap) == 2 and isinstance(snap, tuple):
+            return int(snap[1][_TOTAL_AT])
+        if len(snap) == 1 and isinstance(snap, dict):
+            for counters in snap.values():
+                return int(counters[_TOTAL_AT])
+    return max([c[_TOTAL_AT] for call in calls for _, c in device_counters(call)], default=0)
+
+
+def breakdown_of(counters: Any) -> DeviceBreakdown:
+    """A snapshot's counters (``device_counters``: device -> bytes indexed like ``CATEGORY_KEYS``)
+    as ``{device: {category: bytes}}``."""
+    return {d: dict(zip(CATEGORY_KEYS, c, strict=True)) for d, c in device_counters(counters)}
 
 
 @dataclass

@@ -190,7 +190,7 @@ class AllocatorWindows:
     def module_peaks(self, tracker: Any) -> dict[tuple[str, str], tuple[int, int]]:
         """(module key, peak state) -> the allocator's largest (active, allocated) peak over that
         module's windows of the step just run (call before ``tracker.step()``)."""
-        peaks = [(key, state) for key, state, _, _ in tracker.recorder._log if state in PEAK_STATES]
+        peaks = [(key, state) for key, state in tracker.recorder.logged if state in PEAK_STATES]
         assert len(peaks) == len(self.closed), (len(peaks), len(self.closed))
         out: dict[tuple[str, str], tuple[int, int]] = {}
         for where, (active, allocated) in zip(peaks, self.closed, strict=True):

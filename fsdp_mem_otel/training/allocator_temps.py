@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from fsdp_mem_otel.schema import TEMP, TOTAL, DeviceBreakdown
+from fsdp_mem_otel.schema import TEMP, TOTAL, DeviceBreakdown, device_counters
+from fsdp_mem_otel.training.counters import Snap, snap_of
 from fsdp_mem_otel.training.ledger import INDEX, RawBreakdown
 
 _T, _TEMP = INDEX[TOTAL], INDEX[TEMP]
@@ -67,26 +68,26 @@ class AllocatorTemps:
             window[device] = [now, step[1]]
         self._open.append(window)
 
-    def closed(self, index: int, snap: RawBreakdown) -> RawBreakdown:
+    def closed(self, index: int, snap: Snap) -> Snap:
         """The window at ``index`` of the open ones closed with ledger peak ``snap``: ``snap`` with
-        the allocator's excess added to ``temp`` (a new dict; ``snap``'s lists are not changed)."""
+        the allocator's excess added to ``temp`` (a new snapshot)."""
         self._edge()
         if not -len(self._open) <= index < len(self._open):  # out of step with the ledger: start over
             self._open.clear()
             return snap
         window = self._open.pop(index)
-        out = snap
+        counters = dict(device_counters(snap))
+        adjusted = False
         for device, (allocator_peak, baseline) in window.items():
-            counters = snap.get(device)
-            excess = allocator_peak - baseline - (counters[_T] if counters else 0)
+            held = counters.get(device)
+            excess = allocator_peak - baseline - (held[_T] if held else 0)
             if excess > 0:
-                if out is snap:
-                    out = dict(snap)
-                adjusted = counters[:] if counters else [0] * len(INDEX)
-                adjusted[_TEMP] += excess
-                adjusted[_T] += excess
-                out[device] = adjusted
-        return out
+                cats = list(held) if held else [0] * len(INDEX)
+                cats[_TEMP] += excess
+                cats[_T] += excess
+                counters[device] = cats
+                adjusted = True
+        return snap_of(counters) if adjusted else snap
 
     def step_peak(self, peak: DeviceBreakdown) -> DeviceBreakdown:
         """The step's peak breakdown (changed in place) with the allocator's excess in ``temp``;

@@ -6,8 +6,12 @@ innermost open window. Windows nest (a module's forward inside its parent's); cl
 its peak into the enclosing window, which is how per-module peaks stay O(1) per update however
 many modules exist.
 
-Counters are per device a list indexed like ``CATEGORY_KEYS`` (``total`` last): a snapshot copies
-that list (``raw()``); the public ``{category: bytes}`` dicts are built only for reports.
+Counters are per device a list indexed like ``CATEGORY_KEYS`` (``total`` last). A snapshot
+(``snap()``, a window's peak) is a ``Snap``: the counters as one flat tuple of device names and
+tuples of ints, which the cyclic collector stops tracking at the first collection it survives, so
+the step's hundreds of snapshots never reach an older generation (as dicts of lists they were
+promoted, and brought on full collections: benchmarks/README.md). The public
+``{category: bytes}`` dicts are built only for reports.
 
 Deferred (light mode, ``defer(True)``): a change of bytes is only appended to ``pending``, and so
 is each of the step recorder's events (``Sink``); ``flush()`` replays them in order, counters,
@@ -30,8 +34,22 @@ INDEX: dict[str, int] = {c: i for i, c in enumerate(CATEGORY_KEYS)}
 _N = len(CATEGORY_KEYS)
 _T = INDEX["total"]
 
-#: device -> counters (a list indexed like CATEGORY_KEYS), as snapshots hold them
+#: device -> counters (a list indexed like CATEGORY_KEYS): the live counters, ``raw()``
 RawBreakdown = dict[str, list[int]]
+#: ``(device, counters, device, counters, ...)``: a snapshot, counters as tuples (see above)
+Snap = tuple[Any, ...]
+
+
+def snap_of(counters: dict[str, Any]) -> Snap:
+    """``counters`` (device -> counter sequence) as a ``Snap``."""
+    if len(counters) == 1:
+        for d, c in counters.items():
+            return (d, tuple(c))
+    out: list[Any] = []
+    for d, c in counters.items():
+        out.append(d)
+        out.append(tuple(c))
+    return tuple(out)
 
 
 class _Window:
@@ -48,10 +66,10 @@ class _Window:
     def __init__(self, current: RawBreakdown) -> None:
         # one loop, no comprehensions: windows open on the hot path (a module's forward, backward)
         self.peak: dict[str, int] = {}
-        self.snap: RawBreakdown = {}
+        self.snap: dict[str, tuple[int, ...]] = {}
         for d, c in current.items():
             self.peak[d] = c[_T]
-            self.snap[d] = c[:]
+            self.snap[d] = tuple(c)
         self.live: set[str] = set()
 
     def offer(self, device: str, total: int) -> None:
@@ -65,10 +83,10 @@ class _Window:
             return
         if device is None:
             for d in self.live:
-                self.snap[d] = current[d][:]
+                self.snap[d] = tuple(current[d])
             self.live.clear()
         elif device in self.live:
-            self.snap[device] = current[device][:]
+            self.snap[device] = tuple(current[device])
             self.live.discard(device)
 
     def absorb(self, inner: _Window) -> None:
@@ -222,20 +240,20 @@ class Counters:
             self.window_watch.opened(self._cur)
         self._windows.append(_Window(self._cur))
 
-    def close_window_raw(self) -> RawBreakdown:
-        """End the innermost window; return its peak as raw counters (what a snapshot keeps; see
+    def close_window_raw(self) -> Snap:
+        """End the innermost window; return its peak as a snapshot (``Snap``; see
         ``as_breakdown``) and fold it into the enclosing one."""
         self.flush()
         if not self._windows:
-            return {}
+            return ()
         w = self._windows.pop()
         w.settle(self._cur)
         if self._windows:
             self._windows[-1].absorb(w)
-        # the window is gone; its counter lists are replaced, never changed in place
-        return w.snap if self.window_watch is None else self.window_watch.closed(len(self._windows), w.snap)
+        snap = snap_of(w.snap)
+        return snap if self.window_watch is None else self.window_watch.closed(len(self._windows), snap)
 
-    def close_window_at(self, index: int) -> RawBreakdown:
+    def close_window_at(self, index: int) -> Snap:
         """End the window at ``index`` of the open ones (0 = outermost), which need not be the
         innermost: windows that overlap without nesting (modules whose backward spans cross).
         Its peak takes in what the windows opened after it have seen so far; returns it (raw)."""
@@ -249,7 +267,7 @@ class Counters:
         del self._windows[index]
         if index > 0:
             self._windows[index - 1].absorb(w)
-        snap = {d: c[:] for d, c in w.snap.items()}
+        snap = snap_of(w.snap)
         return snap if self.window_watch is None else self.window_watch.closed(index, snap)
 
     @property
@@ -258,13 +276,23 @@ class Counters:
         return len(self._windows)
 
     def raw(self) -> RawBreakdown:
-        """A copy of the current counters (what a snapshot keeps)."""
+        """A copy of the current counters, ``{device: counter list}``."""
         if self.pending:
             self.flush()
         out = {}
         for d, c in self._cur.items():  # a loop, not a comprehension: no frame of its own (3.11)
             out[d] = c[:]
         return out
+
+    def snap(self) -> Snap:
+        """The current counters as a snapshot (``Snap``: what the step recorder keeps)."""
+        if self.pending:
+            self.flush()
+        cur = self._cur
+        if len(cur) == 1:  # one device: nearly always
+            for d, c in cur.items():
+                return (d, tuple(c))
+        return snap_of(cur)
 
     def snapshot(self) -> DeviceBreakdown:
         """The current breakdown, ``{device: {category: bytes}}`` (a copy; also ``current``)."""

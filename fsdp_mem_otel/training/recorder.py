@@ -33,7 +33,8 @@ from fsdp_mem_otel.schema import (
     ModuleReport,
     largest_total,
 )
-from fsdp_mem_otel.training.ledger import Ledger, RawBreakdown
+from fsdp_mem_otel.training.counters import Snap
+from fsdp_mem_otel.training.ledger import Ledger
 
 # FSDP phases, as deep mode labels collectives by them (the same phases upstream uses).
 IDLE = "idle"
@@ -74,27 +75,11 @@ class StepContext:
         self.backend_buffers: list[Any] | None = None
 
 
-class _Calls:
-    """One module's raw snapshots of a step: state -> counters and times, one per call."""
-
-    __slots__ = ("snapshots", "times")
-
-    def __init__(self) -> None:
-        self.snapshots: dict[str, list[RawBreakdown]] = {}
-        self.times: dict[str, list[int]] = {}
-
-    def report(self) -> ModuleReport:
-        """As a report (sharing these lists: the recorder starts new ones at each step), with its
-        peak totals computed here, on the training thread, where the counters are warm."""
-        snapshots = self.snapshots
-        fwd, bwd = snapshots.get(PEAK_FORWARD), snapshots.get(PEAK_BACKWARD)
-        return CountedModuleReport(snapshots, self.times, (largest_total(fwd) if fwd else None,
-                                                           largest_total(bwd) if bwd else None))
-
-
 class StepRecorder:
     """Snapshots and peak windows of one step at a time, from module state events. Snapshots are
-    kept as raw counters (``Ledger.raw``); ``modules`` builds the reports' dicts."""
+    kept as the ledger's ``Snap`` tuples in a log of parallel lists, the step's only containers
+    (nothing the collector would promote and count towards a full collection); ``modules``
+    hands each module's report its positions in the log, and it builds its dicts when read."""
 
     def __init__(self, ledger: Ledger, context: StepContext | None = None) -> None:
         self.ledger = ledger
@@ -104,9 +89,12 @@ class StepRecorder:
     def reset(self) -> None:
         """Start a new step: no snapshots, no open windows, phase idle."""
         self.ledger.flush()  # what is pending belongs to the step that ends
-        # (module key, state, counters, time_ns) per snapshot, in order: one tuple per event on
-        # the hot path; the per-module reports are built from it once, at the step's end
-        self._log: list[tuple[str, str, RawBreakdown, int]] = []
+        # per snapshot, in order: module key, state, counters, time_ns (parallel lists, no
+        # container per snapshot; only ever appended to); the step's module reports read them
+        self._keys: list[str] = []
+        self._states: list[str] = []
+        self._snaps: list[Snap] = []
+        self._times: list[int] = []
         self.windows: list[tuple[str, str]] = []  # (module key, peak state) per open window
         self.context.phase = IDLE
         self.context.in_ac_recompute = False
@@ -127,16 +115,19 @@ class StepRecorder:
             self._on_recompute(key, state, t)
             return
         self.context.phase = _PHASE_AFTER[state]
-        ledger, windows, log = self.ledger, self.windows, self._log
+        ledger, windows = self.ledger, self.windows
         if windowed:
             closes = _CLOSES.get(state)
             if closes is not None:
-                if windows and windows[-1] == (key, closes):  # the usual nesting, written out
+                if windows and windows[-1] == (key, closes):  # the usual nesting
                     windows.pop()
-                    log.append((key, closes, ledger.close_window_raw(), t))
+                    self._append(key, closes, ledger.close_window_raw(), t)
                 else:
                     self._close_window(key, closes, t)
-        log.append((key, state, ledger.raw(), t))
+        self._keys.append(key)  # ``_append``, written out
+        self._states.append(state)
+        self._snaps.append(ledger.snap())
+        self._times.append(t)
         if windowed:
             opens = _OPENS.get(state)
             if opens is not None:
@@ -169,12 +160,12 @@ class StepRecorder:
             ctx.phase = PRE_FORWARD
         elif state == AFTER_PRE_FORWARD:
             ctx.phase = FORWARD
-            self._append(key, PRE_FORWARD_AC, self.ledger.raw(), t)
+            self._append(key, PRE_FORWARD_AC, self.ledger.snap(), t)
             if self._ac_key is None:
                 self._ac_key, ctx.in_ac_recompute = key, True
         elif state == BEFORE_POST_FORWARD:
             ctx.phase = POST_FORWARD
-            self._append(key, POST_FORWARD_AC, self.ledger.raw(), t)
+            self._append(key, POST_FORWARD_AC, self.ledger.snap(), t)
             if self._ac_key == key:
                 self._ac_key, ctx.in_ac_recompute = None, False
 
@@ -195,26 +186,44 @@ class StepRecorder:
             key, peak_state = self.windows.pop()
             self._append(key, peak_state, self.ledger.close_window_raw())
 
-    def _append(self, key: str, state: str, snap: RawBreakdown, t: int | None = None) -> None:
-        self._log.append((key, state, snap, time.time_ns() if t is None else t))
+    def _append(self, key: str, state: str, snap: Snap, t: int | None = None) -> None:
+        self._keys.append(key)
+        self._states.append(state)
+        self._snaps.append(snap)
+        self._times.append(time.time_ns() if t is None else t)
+
+    @property
+    def logged(self) -> list[tuple[str, str]]:
+        """(module key, state) of each snapshot of the step so far, in order."""
+        self.ledger.flush()
+        return list(zip(self._keys, self._states, strict=True))
 
     @property
     def modules(self) -> dict[str, ModuleReport]:
-        """The step's snapshots so far, per module, as reports hold them (built on each call)."""
+        """The step's snapshots so far, per module, as reports hold them: each module's report
+        gets its positions in the step's log and its peak totals, computed here on the training
+        thread where the counters are warm; it builds its dicts when first read."""
         self.ledger.flush()
-        calls: dict[str, _Calls] = {}
-        for key, state, snap, t in self._log:
-            mod = calls.get(key)
-            if mod is None:
-                mod = calls[key] = _Calls()
-            snaps = mod.snapshots.get(state)
-            if snaps is None:  # the usual case: one call per state
-                mod.snapshots[state] = [snap]
-                mod.times[state] = [t]
+        at: dict[str, list[int]] = {}
+        for i, key in enumerate(self._keys):
+            where = at.get(key)
+            if where is None:
+                at[key] = [i]
             else:
-                snaps.append(snap)
-                mod.times[state].append(t)
-        return {key: mod.report() for key, mod in calls.items()}
+                where.append(i)
+        states, snaps = self._states, self._snaps
+        log = (states, snaps, self._times)
+        out: dict[str, ModuleReport] = {}
+        for key, where in at.items():
+            fwd = bwd = None
+            for i in where:
+                state = states[i]
+                if state == PEAK_FORWARD:
+                    fwd = max(fwd or 0, largest_total([snaps[i]]))
+                elif state == PEAK_BACKWARD:
+                    bwd = max(bwd or 0, largest_total([snaps[i]]))
+            out[key] = CountedModuleReport(None, None, (fwd, bwd), log, tuple(where))
+        return out
 
     # -- where are we --------------------------------------------------------------------------
     @property
@@ -227,10 +236,11 @@ class StepRecorder:
         """(module, state) running now: the innermost open window's module, else the module
         of the last snapshot, and the last state that module reached; ("", "") before any."""
         self.ledger.flush()
+        keys = self._keys
         if self.windows:
             key = self.windows[-1][0]
-        elif self._log:
-            key = self._log[-1][0]
+        elif keys:
+            key = keys[-1]
         else:
             return "", ""
-        return key, next((state for k, state, _, _ in reversed(self._log) if k == key), "")
+        return key, next((self._states[i] for i in range(len(keys) - 1, -1, -1) if keys[i] == key), "")

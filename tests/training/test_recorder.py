@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import enum
+import gc
+import types
+
 import torch
 
 from fsdp_mem_otel.schema import (
@@ -184,3 +188,72 @@ def test_each_modules_peak_totals_are_those_of_its_snapshots() -> None:
         assert mod.peak_totals == want, key
     assert modules["a"].peak_totals == (1200, 100)  # the 300-float temporary; backward: "b"'s 100 bytes
     assert modules["b"].peak_totals == (100, None)
+
+
+def _tracked_from(root: object) -> int:
+    """How many objects the cyclic collector tracks among those reachable from ``root`` (code,
+    modules and enum members such as the states left out: they are the program's, not the step's)."""
+    skip = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType, enum.Enum)
+    seen: set[int] = set()
+    todo = [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        todo.extend(r for r in gc.get_referents(obj) if gc.is_tracked(r) and not isinstance(r, skip))
+    return len(seen)
+
+
+def _step(modules: int, backward: bool = True) -> tuple[StepRecorder, Ledger]:
+    ledger = Ledger()
+    ledger.defer(True)
+    rec = StepRecorder(ledger)
+    keys = [f"layers.{i}" for i in range(modules)]
+    for key in keys:
+        for state in FWD:
+            rec_state(ledger, rec, key, state)
+    for key in reversed(keys) if backward else ():
+        for state in BWD:
+            rec_state(ledger, rec, key, state)
+    return rec, ledger
+
+
+def rec_state(ledger: Ledger, rec: StepRecorder, key: str, state: str) -> None:
+    ledger.add("cpu", ACTIVATION, 100)
+    ledger.add("cuda:0", TEMP, 512)  # two devices: each snapshot holds both
+    rec.on_state(key, state)
+    ledger.add("cuda:0", TEMP, -512)
+
+
+def _promote() -> None:
+    """What reaches the collector's oldest generation: what survives a generation-0 collection
+    and then a generation-1 one."""
+    gc.collect(0)
+    gc.collect(1)
+
+
+def test_the_steps_snapshots_leave_the_collector_nothing_to_promote() -> None:
+    """A step keeps a snapshot per module state (hundreds) until its report is read: containers
+    the collector tracks would be promoted to its oldest generation and bring on full collections
+    (~175 ms each at 64 blocks). By the time they could be promoted, the step's snapshots are
+    untracked, however many there are, and a module's report holds no container per state."""
+    gc.collect()
+    small, big = _step(10), _step(40)
+    small[1].flush()
+    big[1].flush()
+    _promote()
+    assert _tracked_from(big[0]) == _tracked_from(small[0])  # 300 more snapshots, none tracked
+    reports = {10: small[0].modules, 40: big[0].modules}
+    _promote()
+    per_module = (_tracked_from(reports[40]) - _tracked_from(reports[10])) / 30
+    assert per_module <= 2  # the report and its attributes; not 10 states' lists and dicts
+    fewer_states = _step(40, backward=False)[0].modules
+    _promote()
+    assert _tracked_from(fewer_states) == _tracked_from(reports[40])  # per state: nothing
+    # and read, the reports hold every state's snapshot, with both devices
+    mod = reports[40]["layers.0"]
+    assert sorted(mod.snapshots) == sorted((*FWD, *BWD, PEAK_FORWARD, PEAK_BACKWARD))
+    last = mod.snapshots[AFTER_POST_BACKWARD][0]
+    assert last["cpu"][ACTIVATION] == 100 * 8 * 40 and last["cuda:0"][TEMP] == 512
+    assert mod.times[AFTER_POST_BACKWARD] and mod.peak_totals == (max(512, 100 * 4), 100 * 8 * 40)  # per device

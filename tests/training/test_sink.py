@@ -137,10 +137,10 @@ def test_a_raising_forward_is_reported_once_per_state_without_outputs() -> None:
 def test_failures_are_contained_and_inactive_sinks_do_nothing() -> None:
     sink, ledger, errors = _sink()
 
-    def broken() -> dict[str, list[int]]:
+    def broken() -> tuple[object, ...]:
         raise RuntimeError("broken ledger")
 
-    ledger.raw = broken  # type: ignore[method-assign]
+    ledger.snap = broken  # type: ignore[method-assign]
     sink.on_state("<root>", BEFORE_PRE_FORWARD)  # the snapshot fails: counted, not raised
     assert [str(e) for e in errors] == ["broken ledger"]
     sink.active = False
