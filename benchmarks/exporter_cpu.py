@@ -18,7 +18,7 @@ renders). ``--flush-every 1 --sidecar-every 3`` is one step per 5 s. Nothing is 
 script fails if an exporter dropped a step.
 
 Every replay gets the reports as the tracker hands them over: a module's snapshots are the
-recorder's counter lists until an exporter first reads ``snapshots``, which then builds their dicts
+recorder's counters, its positions in the step's log, until an exporter first reads ``snapshots``, which then builds their dicts
 (``schema.CountedModuleReport``; about 1,000 dicts per step at 100 modules) and keeps them on the
 report. Replaying the same report objects again would find them built and leave that cost out,
 so before each replay they are set back (``--reuse-snapshots`` keeps them, as this script did
@@ -112,11 +112,14 @@ def record(steps: int, modules: int, deep_every: int) -> list[StepReport]:
 
 
 def as_handed_over(reports: list[StepReport]) -> None:
-    """Drop the snapshot dicts an earlier replay built: each report as the tracker hands it over."""
+    """Drop the snapshot dicts an earlier replay built, and the per-state lists it sorted out of
+    the step's log: each report as the tracker hands it over."""
     for report in reports:
         for mod in report.modules.values():
             if isinstance(mod, CountedModuleReport):
                 mod._snapshots = None
+                if mod._log is not None:
+                    mod._counters = mod._times = None
 
 
 def paced(reports: list[StepReport], exporters: list[Any], period: float, warmup: int) -> float:

@@ -184,7 +184,6 @@ class CountedModuleReport(ModuleReport):
             # two threads may sort at once: each sets the same lists' equals
             self._counters = counters if self._counters is None else self._counters
             self._times = times if self._times is None else self._times
-            self._log = None
         return self._counters, self._times
 
     @property  # type: ignore[override]

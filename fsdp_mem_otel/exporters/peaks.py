@@ -3,7 +3,7 @@
 The tracker hands reports over with ``CountedModuleReport`` modules, each with its forward and
 backward peak totals computed by the recorder at the step's end (``peak_totals``, read first here:
 two integers instead of a walk over the counters on an exporter's cold thread); their snapshots stay the
-recorder's counter lists until ``snapshots`` is first read, which then builds a dict of 12
+recorder's counters (``schema.device_counters``) until ``snapshots`` is first read, which then builds a dict of 12
 categories per device, state and call for that module (about 1,000 dicts per step at 100 FSDP
 modules, 2.5-7 ms of CPU on a 2-core machine). An exporter that only needs a module's peak total,
 or whether and how often a state was reached, reads them here from the counters instead, and the
@@ -16,15 +16,16 @@ module spans, Prometheus detail series). Same answers as ``ModuleReport.peak_tot
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 from fsdp_mem_otel.schema import PEAK_BACKWARD, PEAK_FORWARD, CountedModuleReport, ModuleReport, largest_total
 
-#: state -> one {device: counter list} per call
-_Counters = dict[str, list[dict[str, list[int]]]]
+#: state -> one snapshot's counters per call (``schema.device_counters``)
+_Counters = dict[str, list[Any]]
 
 
 def _counters(mod: ModuleReport) -> _Counters | None:
-    """The module's counter lists while its snapshot dicts are not built, else None."""
+    """The module's counters while its snapshot dicts are not built, else None."""
     return mod.counters if isinstance(mod, CountedModuleReport) else None
 
 
