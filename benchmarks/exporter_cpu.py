@@ -18,8 +18,9 @@ renders). ``--flush-every 1 --sidecar-every 3`` is one step per 5 s. Nothing is 
 script fails if an exporter dropped a step.
 
 Every replay gets the reports as the tracker hands them over: a module's snapshots are the
-recorder's counters, its positions in the step's log, until an exporter first reads ``snapshots``, which then builds their dicts
-(``schema.CountedModuleReport``; about 1,000 dicts per step at 100 modules) and keeps them on the
+recorder's counters, its positions in the step's log, until an exporter first reads
+``snapshots``, which then builds their dicts (``schema.CountedModuleReport``; about 1,000 dicts
+per step at 100 modules) and keeps them on the
 report. Replaying the same report objects again would find them built and leave that cost out,
 so before each replay they are set back (``--reuse-snapshots`` keeps them, as this script did
 before: each configuration's first round then paid for the dicts and the others did not).
@@ -118,7 +119,7 @@ def as_handed_over(reports: list[StepReport]) -> None:
         for mod in report.modules.values():
             if isinstance(mod, CountedModuleReport):
                 mod._snapshots = None
-                if mod._log is not None:
+                if getattr(mod, "_log", None) is not None:  # the tracker's form (not older versions')
                     mod._counters = mod._times = None
 
 

@@ -22,6 +22,7 @@ import gc
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -45,9 +46,23 @@ class Collections:
             self.seconds[info["generation"]] += time.perf_counter() - self._start
 
 
-def run(blocks: int, steps: int, tracked: bool) -> str:
+def exporters_reading_every_step(out: str) -> list[Any]:
+    """``--exporters``: the JSONL file and the Prometheus sidecar, both every step (the sidecar
+    renders each module's forward time from the report: its defaults render every 15 s)."""
+    from fsdp_mem_otel.exporters.jsonl import JSONLExporter
+    from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
+    from fsdp_mem_otel.identity import Identity
+
+    identity = Identity("gc_pressure", 0, 0, 1, "host")
+    return [JSONLExporter(os.path.join(out, "run.jsonl")),
+            PrometheusExporter(identity, http=False, sidecar_dir=os.path.join(out, "sidecar"),
+                               sidecar_interval_seconds=0.01)]
+
+
+def run(blocks: int, steps: int, tracked: bool, exporters_dir: str | None = None) -> str:
     model, opt = build(blocks, 64, WrapOptions(fsdp=2))
-    tracker = FSDPMemoryTracker(model, opt).attach() if tracked else None
+    exporters = exporters_reading_every_step(exporters_dir) if exporters_dir and tracked else []
+    tracker = FSDPMemoryTracker(model, opt, exporters=exporters).attach() if tracked else None
 
     def step(i: int) -> None:
         x = make_batch(i, 8, 64, 0)
@@ -79,7 +94,8 @@ def run(blocks: int, steps: int, tracked: bool) -> str:
         tracker.close()
     per_step = ", ".join(f"gen{g} {c / steps:.2f} ({c} in all, {s / steps * 1e6:.0f} us)"
                          for g, (c, s) in enumerate(zip(seen.count, seen.seconds, strict=True)))
-    return (f"{'light' if tracked else 'untracked':9s} {blocks} blocks: step {wall / steps * 1e3:.1f} ms; "
+    variant = ("light" + (" + exporters" if exporters else "")) if tracked else "untracked"
+    return (f"{variant:9s} {blocks} blocks: step {wall / steps * 1e3:.1f} ms; "
             f"collections per step: {per_step}; total {sum(seen.seconds) / steps * 1e6:.0f} us/step\n"
             f"          one step: {allocated} GC-tracked objects allocated net, {sum(alive.values())} made and "
             f"still alive after it: {', '.join(f'{k} {v}' for k, v in alive.most_common(6))}")
@@ -91,6 +107,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=80, help="steps counted (default 80: full collections are rare)")
     p.add_argument("--variant", choices=("both", "untracked", "light"), default="both",
                    help="both (default): each in a process of its own, so neither inherits the other's objects")
+    p.add_argument("--exporters", action="store_true",
+                   help="light: also export every step to a JSONL file and the Prometheus sidecar (in a "
+                        "temporary directory), whose threads read each report in the same process")
     args = p.parse_args()
     for name in ("blocks", "steps"):
         if getattr(args, name) < 1:
@@ -98,13 +117,14 @@ def main() -> None:
     if args.variant == "both":
         for variant in ("untracked", "light"):
             subprocess.run([sys.executable, __file__, "--blocks", str(args.blocks), "--steps", str(args.steps),
-                            "--variant", variant], check=True)
+                            "--variant", variant, *(["--exporters"] if args.exporters else [])], check=True)
         return
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
                        ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(key, value)
     init_distributed()
-    print(run(args.blocks, args.steps, tracked=args.variant == "light"), flush=True)
+    with tempfile.TemporaryDirectory() as out:
+        print(run(args.blocks, args.steps, args.variant == "light", out if args.exporters else None), flush=True)
 
 
 if __name__ == "__main__":

@@ -138,6 +138,10 @@ class ModuleReport:
 
     __hash__ = None  # type: ignore[assignment]
 
+    def times_of(self, state: str) -> list[int]:
+        """When each call reached ``state`` (``time.time_ns()``), in order; empty if never."""
+        return self.times.get(state, [])
+
     def peak_total(self, state: str) -> int:
         """Largest ``total`` over devices and calls for ``state`` (0 if never reached)."""
         return max(
@@ -199,18 +203,37 @@ class CountedModuleReport(ModuleReport):
 
     @property  # type: ignore[override]
     def times(self) -> dict[str, list[int]]:
-        return self._sorted()[1]
+        times = self._times  # read per state by every exporter: the sorted case, written out
+        return times if times is not None else self._sorted()[1]
 
     @times.setter
     def times(self, value: dict[str, list[int]]) -> None:
         self._sorted()
         self._times = value
 
+    def times_of(self, state: str) -> list[int]:
+        if self._times is None and self._log is not None:  # one state, read from the log: nothing sorted
+            states, _, stamps = self._log
+            return [stamps[i] for i in self._at if states[i] == state]
+        return self.times.get(state, [])
+
+    @property
+    def calls(self) -> int:
+        """How many snapshots the module holds (every state and call), without sorting them."""
+        if self._snapshots is not None:
+            return sum(map(len, self._snapshots.values()))
+        if self._counters is None and self._log is not None:
+            return len(self._at)
+        return sum(map(len, self._sorted()[0].values()))
+
     @property
     def counters(self) -> dict[str, list[Any]] | None:
         """State -> one snapshot's counters per call (``breakdown_of`` turns one into a snapshot),
         while ``snapshots`` has not built its dicts; None once it has (read those)."""
-        return self._sorted()[0] if self._snapshots is None else None
+        if self._snapshots is not None:
+            return None
+        counters = self._counters
+        return counters if counters is not None else self._sorted()[0]
 
 
 def device_counters(snap: Any) -> Any:

@@ -68,9 +68,5 @@ def all_calls(modules: Mapping[str, ModuleReport]) -> int:
     """How many snapshots ``modules`` hold (every module, state and call)."""
     n = 0
     for mod in modules.values():
-        raw = mod.counters if isinstance(mod, CountedModuleReport) else None
-        if raw is not None:
-            n += sum(map(len, raw.values()))
-        else:
-            n += sum(map(len, mod.snapshots.values()))
+        n += mod.calls if isinstance(mod, CountedModuleReport) else sum(map(len, mod.snapshots.values()))
     return n

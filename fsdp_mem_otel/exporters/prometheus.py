@@ -324,8 +324,7 @@ class StepReportCollector:
                 peak.append(((key, "forward"), float(fwd_peak)))
             if bwd_peak is not None:
                 peak.append(((key, "backward"), float(bwd_peak)))
-            times = mod.times
-            starts, ends = times.get(BEFORE_PRE_FORWARD), times.get(AFTER_POST_FORWARD)
+            starts, ends = mod.times_of(BEFORE_PRE_FORWARD), mod.times_of(AFTER_POST_FORWARD)
             if starts and ends:
                 if len(starts) == 1 and len(ends) == 1:  # one call: nearly every module
                     seconds = max(0, ends[0] - starts[0]) / 1e9

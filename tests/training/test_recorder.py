@@ -8,6 +8,7 @@ import types
 
 import torch
 
+from fsdp_mem_otel.exporters.peaks import all_calls
 from fsdp_mem_otel.schema import (
     ACTIVATION,
     AFTER_POST_BACKWARD,
@@ -24,6 +25,7 @@ from fsdp_mem_otel.schema import (
     PRE_FORWARD_AC,
     TEMP,
     TOTAL,
+    CountedModuleReport,
 )
 from fsdp_mem_otel.training.ledger import Ledger
 from fsdp_mem_otel.training.recorder import StepRecorder
@@ -251,6 +253,12 @@ def test_the_steps_snapshots_leave_the_collector_nothing_to_promote() -> None:
     fewer_states = _step(40, backward=False)[0].modules
     _promote()
     assert _tracked_from(fewer_states) == _tracked_from(reports[40])  # per state: nothing
+    # counted as the JSONL writer counts them every step, from the positions: nothing sorted
+    assert all_calls(reports[40]) == 40 * len((*FWD, *BWD, PEAK_FORWARD, PEAK_BACKWARD))
+    second = reports[40]["layers.1"]
+    starts = second.times_of(BEFORE_PRE_FORWARD)  # as the Prometheus exporter reads a forward's time
+    assert all(isinstance(m, CountedModuleReport) and m._counters is None for m in reports[40].values())
+    assert len(starts) == 1 and starts == second.times[BEFORE_PRE_FORWARD]  # sorted now, the same
     # and read, the reports hold every state's snapshot, with both devices
     mod = reports[40]["layers.0"]
     assert sorted(mod.snapshots) == sorted((*FWD, *BWD, PEAK_FORWARD, PEAK_BACKWARD))
