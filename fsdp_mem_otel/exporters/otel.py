@@ -681,7 +681,7 @@ def _calls(report: StepReport, step_end: int) -> list[_Call]:
     calls: list[_Call] = []
     for key, mod in report.modules.items():
         for pass_, _, start_state, end_state, _peak in _PASSES:
-            pairs = _pair(mod.times.get(start_state, []), mod.times.get(end_state, []), step_end)
+            pairs = _pair(mod.times_of(start_state), mod.times_of(end_state), step_end)
             for i, (s, e, ok) in enumerate(pairs):
                 calls.append(_Call(key, pass_, i, s, e, ok, _depth(key)))
     calls.sort(key=lambda c: (c.start, -c.end, c.depth))
