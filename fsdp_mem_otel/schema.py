@@ -208,7 +208,6 @@ class CountedModuleReport(ModuleReport):
 
     @times.setter
     def times(self, value: dict[str, list[int]]) -> None:
-        self._sorted()
         self._times = value
 
     def times_of(self, state: str) -> list[int]:

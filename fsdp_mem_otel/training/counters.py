@@ -288,11 +288,7 @@ class Counters:
         """The current counters as a snapshot (``Snap``: what the step recorder keeps)."""
         if self.pending:
             self.flush()
-        cur = self._cur
-        if len(cur) == 1:  # one device: nearly always
-            for d, c in cur.items():
-                return (d, tuple(c))
-        return snap_of(cur)
+        return snap_of(self._cur)
 
     def snapshot(self) -> DeviceBreakdown:
         """The current breakdown, ``{device: {category: bytes}}`` (a copy; also ``current``)."""
