@@ -233,7 +233,8 @@ class Counters:
     # -- windows and peaks ---------------------------------------------------------------------
     def open_window(self) -> None:
         """Start a nested peak window (a module's forward or backward)."""
-        self.flush()
+        if self.pending and not self._replaying:  # the replay's own events: no call
+            self.flush()
         if self._windows:
             self._windows[-1].settle(self._cur)  # it stops receiving offers now
         if self.window_watch is not None:
@@ -243,7 +244,8 @@ class Counters:
     def close_window_raw(self) -> Snap:
         """End the innermost window; return its peak as a snapshot (``Snap``; see
         ``as_breakdown``) and fold it into the enclosing one."""
-        self.flush()
+        if self.pending and not self._replaying:  # the replay's own events: no call
+            self.flush()
         if not self._windows:
             return ()
         w = self._windows.pop()
@@ -286,7 +288,7 @@ class Counters:
 
     def snap(self) -> Snap:
         """The current counters as a snapshot (``Snap``: what the step recorder keeps)."""
-        if self.pending:
+        if self.pending and not self._replaying:
             self.flush()
         return snap_of(self._cur)
 

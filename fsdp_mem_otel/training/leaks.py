@@ -24,6 +24,7 @@ DEFAULT_WINDOW = 30
 DEFAULT_MIN_STEPS = 5
 #: modules named in a report, the largest holders first
 TOP_HOLDERS = 8
+_KEYS = (*CATEGORIES, TOTAL)
 
 
 class LeakWatch:
@@ -41,10 +42,14 @@ class LeakWatch:
     def observe(self, current: DeviceBreakdown, held: dict[str, int]) -> LeakReport | None:
         """One step end: its live breakdown and the bytes each module's tensors still hold.
         Returns what is growing and who holds what, or None when nothing is."""
-        totals = {c: sum(cats.get(c, 0) for cats in current.values()) for c in (*CATEGORIES, TOTAL)}
+        totals = dict.fromkeys(_KEYS, 0)  # every step, on the training thread: loops, no generators
+        for cats in current.values():
+            for c in _KEYS:
+                totals[c] += cats.get(c, 0)
         self._ends.append(totals)
         growing = {c: slope for c in totals if (slope := self._growth(c)) > 0}
-        holders = {k: n for k, n in sorted(held.items(), key=lambda kv: -kv[1]) if n > 0}
+        holding = [kv for kv in held.items() if kv[1] > 0]  # at a healthy step's end: none
+        holders = dict(sorted(holding, key=lambda kv: -kv[1])) if holding else {}
         if not growing and not holders:
             return None
         top = dict(list(holders.items())[:TOP_HOLDERS])

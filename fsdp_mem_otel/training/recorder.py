@@ -33,7 +33,7 @@ from fsdp_mem_otel.schema import (
     ModuleReport,
     largest_total,
 )
-from fsdp_mem_otel.training.counters import Snap
+from fsdp_mem_otel.training.counters import INDEX, Snap
 from fsdp_mem_otel.training.ledger import Ledger
 
 # FSDP phases, as deep mode labels collectives by them (the same phases upstream uses).
@@ -56,8 +56,12 @@ _PHASE_AFTER: dict[str, str] = {
     BEFORE_POST_BACKWARD: POST_BACKWARD,
     AFTER_POST_BACKWARD: POST_BACKWARD,  # upstream keeps POST_BW until the next pre-backward
 }
+_TOTAL = INDEX["total"]
 _OPENS: dict[str, str] = {BEFORE_PRE_FORWARD: PEAK_FORWARD, BEFORE_PRE_BACKWARD: PEAK_BACKWARD}
 _CLOSES: dict[str, str] = {AFTER_POST_FORWARD: PEAK_FORWARD, AFTER_POST_BACKWARD: PEAK_BACKWARD}
+#: per state: the phase after it, the peak window it closes and the one it opens (one lookup)
+_STEPS: dict[str, tuple[str, str | None, str | None]] = {
+    state: (phase, _CLOSES.get(state), _OPENS.get(state)) for state, phase in _PHASE_AFTER.items()}
 
 
 class StepContext:
@@ -114,25 +118,22 @@ class StepRecorder:
         if in_backward and state in FORWARD_STATES:
             self._on_recompute(key, state, t)
             return
-        self.context.phase = _PHASE_AFTER[state]
+        phase, closes, opens = _STEPS[state]
+        self.context.phase = phase
         ledger, windows = self.ledger, self.windows
-        if windowed:
-            closes = _CLOSES.get(state)
-            if closes is not None:
-                if windows and windows[-1] == (key, closes):  # the usual nesting
-                    windows.pop()
-                    self._append(key, closes, ledger.close_window_raw(), t)
-                else:
-                    self._close_window(key, closes, t)
+        if windowed and closes is not None:
+            if windows and windows[-1] == (key, closes):  # the usual nesting
+                windows.pop()
+                self._append(key, closes, ledger.close_window_raw(), t)
+            else:
+                self._close_window(key, closes, t)
         self._keys.append(key)  # ``_append``, written out
         self._states.append(state)
         self._snaps.append(ledger.snap())
         self._times.append(t)
-        if windowed:
-            opens = _OPENS.get(state)
-            if opens is not None:
-                ledger.open_window()
-                windows.append((key, opens))
+        if windowed and opens is not None:
+            ledger.open_window()
+            windows.append((key, opens))
 
     def open_window(self, key: str, peak_state: str, t: int | None = None) -> None:
         """Start module ``key``'s ``peak_state`` window (nested in the open ones); ``t``: unused,
@@ -218,10 +219,13 @@ class StepRecorder:
             fwd = bwd = None
             for i in where:
                 state = states[i]
-                if state == PEAK_FORWARD:
-                    fwd = max(fwd or 0, largest_total([snaps[i]]))
-                elif state == PEAK_BACKWARD:
-                    bwd = max(bwd or 0, largest_total([snaps[i]]))
+                if state == PEAK_FORWARD or state == PEAK_BACKWARD:
+                    snap = snaps[i]  # one device, nearly always: its total read at once
+                    total = snap[1][_TOTAL] if len(snap) == 2 else largest_total([snap])
+                    if state == PEAK_FORWARD:
+                        fwd = max(fwd or 0, total)
+                    else:
+                        bwd = max(bwd or 0, total)
             out[key] = CountedModuleReport(None, None, (fwd, bwd), log, tuple(where))
         return out
 

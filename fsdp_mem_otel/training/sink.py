@@ -227,6 +227,10 @@ class Sink:
         """Add ``delta`` bytes to category index ``cat`` (``ledger.INDEX``) on ``device``: FSDP
         buffers whose size and lifetime the adapter knows from FSDP's own events."""
         if self.active and delta:
+            pending = self.ledger.pending
+            if pending is not None:  # ``Counters._add``, written out: ~170 calls a step
+                pending.extend((device, cat, delta))
+                return
             try:
                 self.ledger._add(device, cat, delta)
             except Exception as exc:  # noqa: BLE001

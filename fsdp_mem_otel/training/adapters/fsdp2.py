@@ -266,9 +266,13 @@ class FSDP2Adapter:
             return out
 
         def wait_for_unshard(*args: Any, **kwargs: Any) -> Any:
+            if acct.current is acct.light:  # what it needs is its own: one entry, after
+                out = orig_wait(*args, **kwargs)
+                _guarded(sink, acct.after_wait)
+                return out
             before = _guarded_value(sink, acct.before_wait)
             out = orig_wait(*args, **kwargs)
-            _guarded(sink, lambda: acct.after_wait(before))
+            _guarded(sink, lambda: acct.after_tensors_wait(before))
             return out
 
         pre_backward = _around(sink, orig_pre_backward, on_state(BEFORE_PRE_BACKWARD), on_state(AFTER_PRE_BACKWARD))
@@ -394,10 +398,23 @@ class _Accounts:
             self._comm, self._mirror_cached = comm, self._mirror_of(comm)
         return self._mirror_cached
 
+    def after_wait(self) -> None:
+        """After ``wait_for_unshard``, light accounts: what FSDP's state was before the wait is
+        the group's and the mirror's own (a pending all-gather seen, a deferred output held), so
+        nothing is read before it."""
+        light = self.light
+        deferred = False
+        if light.all_gather_seen:
+            mirror = self._mirror
+            deferred = mirror.waited(light.group._training_state == TrainingState.FORWARD,
+                                     mirror.deferred is not None, light.dev, light.pending_all_gather(), None)
+        light.after_wait(deferred, None)
+
     def before_wait(self) -> WaitToken:
+        """Before ``wait_for_unshard``, per-tensor accounts: FSDP's state then."""
         return self._mirror.before_wait(self.light.group, self.current is self.tensors)
 
-    def after_wait(self, before: WaitToken | None) -> None:
+    def after_tensors_wait(self, before: WaitToken | None) -> None:
         current = self.current
         deferred = False
         if before is not None:

@@ -140,15 +140,22 @@ class CommMirror:
                          if per_tensor and result is not None else None)
 
     def after_wait(self, before: WaitToken, dev: str, nbytes: int) -> bool:
-        """After ``wait_for_unshard``: whether the group's all-gather output (``nbytes`` counted
-        by the group, or 0) is now the deferred one, which this mirror then releases in its time."""
+        """After ``wait_for_unshard`` that began as ``before`` says: see ``waited``."""
         if not before.had_result:
             return False  # FSDP returned early
-        if before.forward and before.was_deferred:
+        return self.waited(before.forward, before.was_deferred, dev, nbytes, before.output)
+
+    def waited(self, forward: bool, was_deferred: bool, dev: str, nbytes: int,
+               output: weakref.ref[torch.UntypedStorage] | None) -> bool:
+        """After a ``wait_for_unshard`` that had an all-gather result (``forward``: in forward;
+        ``was_deferred``: an earlier output was deferred then): whether the group's all-gather
+        output (``nbytes`` counted by the group, or 0; ``output``: its storage where accounted per
+        tensor) is now the deferred one, which this mirror then releases in its time."""
+        if forward and was_deferred:
             self._release_deferred()  # FSDP freed the previous output first
-        if self.comm.all_gather_state is not None and (before.forward or not before.was_deferred):
+        if self.comm.all_gather_state is not None and (forward or not was_deferred):
             self._release_deferred()
-            self.deferred = _Held(dev, _AG, nbytes, before.output)
+            self.deferred = _Held(dev, _AG, nbytes, output)
             return True
         return False
 
@@ -274,6 +281,9 @@ class LightGroup:
         self._unsharded = self._post_forward = self._pending_ag = 0
         self._grads = self._accumulated = self._sharded_grads = 0
         self._sg_dev = self.dev
+        #: FSDP holds an all-gather result that ``wait_for_unshard`` has not consumed yet (seen at
+        #: unshard or sync; its bytes, where counted, are ``_pending_ag``)
+        self.all_gather_seen = False
         # learnt sizes (None: not learnt yet)
         self._full: int | None = None
         self._first_output: weakref.ref[torch.Tensor] | None = None
@@ -302,6 +312,7 @@ class LightGroup:
     def after_unshard(self) -> None:
         result = self.group._all_gather_result
         if result is not None and not self._pending_ag:
+            self.all_gather_seen = True
             out = result.all_gather_output  # a new flat tensor per all-gather, the same shape each time
             if out.numel() != self._ag_numel or out.dtype is not self._ag_dtype:
                 self._ag_numel, self._ag_dtype, self._ag_bytes = out.numel(), out.dtype, _storage_bytes(out)
@@ -313,10 +324,11 @@ class LightGroup:
 
     def after_wait(self, deferred: bool, before: WaitToken | None) -> None:
         sink = self._sink
-        if self._pending_ag and not self.group._all_gather_result:
-            if not deferred:  # freed at the end of the copy-out
+        if self.all_gather_seen and not self.group._all_gather_result:
+            if self._pending_ag and not deferred:  # freed at the end of the copy-out
                 sink.add(self.dev, _AG, -self._pending_ag)
             self._pending_ag = 0
+            self.all_gather_seen = False
         if self.group.is_unsharded:
             if not self._unsharded:
                 self._unsharded = self._unsharded_bytes()
@@ -389,9 +401,10 @@ class LightGroup:
         if self._post_forward and not group.is_sharded_post_forward:
             sink.add(self.dev, _UP, -self._post_forward)
             self._post_forward = 0
-        if self._pending_ag and group._all_gather_result is None:
+        if self.all_gather_seen and group._all_gather_result is None:
             sink.add(self.dev, _AG, -self._pending_ag)
             self._pending_ag = 0
+            self.all_gather_seen = False
         if (self._grads or self._accumulated) and self._trainable:
             first = self._trainable[0]
             if getattr(getattr(first, "_unsharded_param", None), "grad", None) is None \
@@ -403,6 +416,7 @@ class LightGroup:
     def sync(self) -> None:
         """Count what the group holds now (at attach, and when per-tensor accounting hands back)."""
         group = self.group
+        self.all_gather_seen = group._all_gather_result is not None  # uncounted: it was pending before
         if group.is_unsharded and not self._unsharded:
             self._unsharded = self._unsharded_bytes()
             self._sink.add(self.dev, _UP, self._unsharded)
@@ -419,6 +433,7 @@ class LightGroup:
         sink.add(self._sg_dev, _SG, -self._sharded_grads)
         self._unsharded = self._post_forward = self._pending_ag = 0
         self._grads = self._accumulated = self._sharded_grads = 0
+        self.all_gather_seen = False
 
     def tensors(self) -> list[torch.Tensor]:
         """What per-tensor accounting tracked that integers now carry (its bytes are forgotten)."""
