@@ -161,15 +161,38 @@ class CountedModuleReport(ModuleReport):
 
     def __init__(self, counters: dict[str, list[Any]] | None, times: dict[str, list[int]] | None,
                  peak_totals: tuple[int | None, int | None] | None = None,
-                 log: tuple[list[str], list[Any], list[int]] | None = None, at: tuple[int, ...] = ()) -> None:
+                 log: tuple[list[str], Any, list[int]] | None = None, at: tuple[int, ...] = ()) -> None:
         self._counters = counters
         self._times = times
+        # (states, counters or a function that replays and returns them, times)
         self._log = log if counters is None else None
         self._at = at
         self._snapshots: dict[str, list[DeviceBreakdown]] | None = None
-        #: the largest ``total`` of ``peak_forward`` and of ``peak_backward`` (None: not reached),
-        #: computed by the recorder; None when not given (``exporters.peaks`` then reads the counters)
-        self.peak_totals = peak_totals
+        self._peak_totals = peak_totals
+        self._replayed = self._log is not None and callable(self._log[1])
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()  # a light step's replay (a function, a lock) goes as its result
+        log = state.get("_log")
+        if log is not None and callable(log[1]):
+            state["_log"] = (log[0], log[1](), log[2])
+        return state
+
+    @property
+    def peak_totals(self) -> tuple[int | None, int | None] | None:
+        """The largest ``total`` of ``peak_forward`` and of ``peak_backward`` (None: not reached),
+        computed by the recorder, or from the counters of a light step replayed when read; None
+        when not given (``exporters.peaks`` then reads the counters)."""
+        if self._peak_totals is None and self._replayed:
+            counters = self._sorted()[0]
+            fwd, bwd = counters.get(PEAK_FORWARD), counters.get(PEAK_BACKWARD)
+            self._peak_totals = (largest_total(fwd) if fwd else None, largest_total(bwd) if bwd else None)
+        return self._peak_totals
+
+    @peak_totals.setter
+    def peak_totals(self, value: tuple[int | None, int | None] | None) -> None:
+        self._peak_totals = value
+        self._replayed = False
 
     def _sorted(self) -> tuple[dict[str, list[Any]], dict[str, list[int]]]:
         if self._counters is None or self._times is None:
@@ -177,6 +200,8 @@ class CountedModuleReport(ModuleReport):
             times: dict[str, list[int]] = {}
             if self._log is not None:
                 states, snaps, stamps = self._log
+                if callable(snaps):  # a light step's, replayed at the first read
+                    snaps = snaps()
                 for i in self._at:
                     state = states[i]
                     calls = counters.get(state)

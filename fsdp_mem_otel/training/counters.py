@@ -14,11 +14,14 @@ promoted, and brought on full collections: benchmarks/README.md). The public
 ``{category: bytes}`` dicts are built only for reports.
 
 Deferred (light mode, ``defer(True)``): a change of bytes is only appended to ``pending``, and so
-is each of the step recorder's events (``Sink``); ``flush()`` replays them in order, counters,
-windows and snapshots alike, in one loop, the first time anything reads the counters (the step's
-end, an abort). In place each update touched counters, window peaks and sets that training's data
-had pushed out of the CPU caches; replayed together they stay warm. Every reading method flushes
-first, so a reader sees what an immediate ledger would have shown. Knows no torch.
+is each of the step recorder's events (``Sink``); ``flush()`` replays them in order, in one loop,
+the first time anything reads the counters (the optimizer hook, the step's end, an abort). In
+place each update touched counters, window peaks and sets that training's data had pushed out of
+the CPU caches; replayed together they stay warm. Every reading method flushes first, so a reader
+sees what an immediate ledger would have shown. The recorder's events take no snapshot in this
+replay: it hands each replayed part of the log on (``retain``), and the step's
+``recorder.StepReplay`` replays it again for the module snapshots when a report is read.
+Knows no torch.
 """
 
 from __future__ import annotations
@@ -115,6 +118,8 @@ class Counters:
         self.replay_seconds = 0.0
         #: told of each event that fails in a replay (the tracker counts them); None: ``flush`` raises
         self.on_replay_error: Callable[[BaseException], None] | None = None
+        #: where each replay hands what it replayed (``retain``), or None
+        self._retained: Callable[[list[Any]], None] | None = None
 
     def defer(self, on: bool) -> None:
         """Queue changes until they are read (``on``) or apply them at once; never while a
@@ -127,6 +132,12 @@ class Counters:
         self.flush()
         self.window_watch = watch
         self.defer(watch is None)
+
+    def retain(self, keep: Callable[[list[Any]], None] | None) -> None:
+        """Hand ``keep`` each replayed part of the log, in order (the step recorder replays it
+        again for its snapshots when they are read: ``recorder.StepReplay``); None: stop."""
+        self.flush()
+        self._retained = keep
 
     def flush(self) -> None:
         """Replay the pending changes and events in order (a no-op when there are none).
@@ -166,6 +177,8 @@ class Counters:
                     if i == at:  # not an entry's head: where the next one starts is unknown
                         i = len(pending)
         finally:
+            if self._retained is not None and i:
+                self._retained(pending[:i])
             del pending[:i]
             self._replaying = False
             self.replay_seconds += time.perf_counter() - started
@@ -214,12 +227,6 @@ class Counters:
                 if total > inner.peak.get(device, -1):
                     inner.peak[device] = total
                     inner.live.add(device)
-
-    def _settle(self, device: str) -> None:
-        # Only the step window and the innermost window receive offers, so only they can be live.
-        self._step.settle(self._cur, device)
-        if self._windows:
-            self._windows[-1].settle(self._cur, device)
 
     def offer_current(self) -> None:
         """Make the current counters a peak candidate for the step and the innermost window."""

@@ -210,12 +210,12 @@ class Ledger(Counters):
             self.owner_bytes[entry.owner] += delta
 
     def _relabel(self, entry: _Entry, cat: int) -> None:
-        self.flush()
-        device = entry.device
-        cats = self._cur[device]
-        self._settle(device)
-        cats[entry.cat] -= entry.nbytes
-        cats[cat] += entry.nbytes
+        # Two changes (queued where the ledger defers, so a replay of the step sees them): the
+        # total dips and comes back, so the peaks it still is are kept first and none is made.
+        n = entry.nbytes
+        if n:
+            self._add(entry.device, entry.cat, -n)
+            self._add(entry.device, cat, n)
         entry.cat = cat
         if entry.owner is not None:  # named by FSDP, the optimizer, the inputs: no module's anymore
             self.owner_bytes[entry.owner] -= entry.nbytes

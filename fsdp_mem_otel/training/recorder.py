@@ -1,17 +1,25 @@
 """The step state machine: FSDP module states in, module snapshots and peak windows out.
 
-Plain Python on top of a Ledger, with no FSDP and no hooks, so unit tests drive it directly. The
-tracker feeds it ``on_state(key, state, in_backward)`` from the adapters' hook events; it keeps,
-per step, one snapshot per module per state per call, opens a peak window at a module's
-``before_pre_forward`` / ``before_pre_backward`` and closes it at the matching ``after_post_*``
-(closing inner windows first when FSDP closes out of order), recognises activation-checkpoint
-recompute (forward states during backward) and knows which module was running when a step
-aborts. ``StepContext`` is what per-op accounting (deep mode) reads: the FSDP phase, whether the
-optimizer or a checkpoint recompute is running.
+Plain Python on top of a ledger's counters, with no FSDP and no hooks, so unit tests drive it
+directly. The tracker feeds it ``on_state(key, state, in_backward)`` from the adapters' hook
+events; it keeps, per step, one snapshot per module per state per call, opens a peak window at a
+module's ``before_pre_forward`` / ``before_pre_backward`` and closes it at the matching
+``after_post_*`` (closing inner windows first when FSDP closes out of order), recognises
+activation-checkpoint recompute (forward states during backward) and knows which module was
+running when a step aborts. ``StepContext`` is what per-op accounting (deep mode) reads: the FSDP
+phase, whether the optimizer or a checkpoint recompute is running.
+
+Light steps (a deferring ledger) take their snapshots when a report is first read, not during the
+step: the ledger's replay runs the events here without counters (windows, keys, states and times:
+what ending a step and locating an abort need), and ``StepReplay`` runs them again, with the
+step's byte changes, for the snapshots and window peaks. A step nobody reads (no exporter that
+needs a module's figures this step: Prometheus reads them at a scrape) never takes them.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from typing import Any
 
@@ -33,8 +41,9 @@ from fsdp_mem_otel.schema import (
     ModuleReport,
     largest_total,
 )
-from fsdp_mem_otel.training.counters import INDEX, Snap
-from fsdp_mem_otel.training.ledger import Ledger
+from fsdp_mem_otel.training.counters import INDEX, Counters, RawBreakdown, Snap
+
+logger = logging.getLogger(__name__)
 
 # FSDP phases, as deep mode labels collectives by them (the same phases upstream uses).
 IDLE = "idle"
@@ -79,13 +88,90 @@ class StepContext:
         self.backend_buffers: list[Any] | None = None
 
 
+class _Dry:
+    """What the step recorder records against while the ledger defers: no counters, no windows."""
+
+    __slots__ = ()
+
+    def snap(self) -> Snap:
+        return ()
+
+    def open_window(self) -> None:
+        return None
+
+    def close_window_raw(self) -> Snap:
+        return ()
+
+    def close_window_at(self, index: int) -> Snap:
+        return ()
+
+
+_DRY = _Dry()
+#: log entries a step replay keeps before it replays them at once (a loop that never calls step())
+_REPLAY_AT = 1 << 18
+
+
+class StepReplay:
+    """A light step's snapshots and window peaks, replayed from its log when first read.
+
+    While the ledger defers, the step recorder follows each event's module, state, time and
+    windows (what locating an abort and ending the step need) and takes no snapshot; the ledger
+    hands each replayed part of its log here (``Counters.retain``). The first read of a report's
+    snapshots or peaks replays those parts again, events and changes alike, through a recorder of
+    its own on counters that start from the step's: the same code on the same events, so the same
+    snapshots, at the same positions, as an immediate ledger gives. Nobody reading them (no
+    exporter that needs a module's figures this step) costs nothing more; an exporter reads them on
+    its own thread. Holds names and numbers, never a tensor."""
+
+    def __init__(self, start: RawBreakdown) -> None:
+        counters = Counters()
+        counters._cur.update(start)
+        counters.reset_step()
+        self._recorder = StepRecorder(counters, StepContext())
+        self._parts: list[list[Any]] = []
+        self._waiting = 0
+        self._lock = threading.Lock()
+
+    def keep(self, part: list[Any]) -> None:
+        """A replayed part of the step's log, in order."""
+        with self._lock:
+            self._parts.append(part)
+            self._waiting += len(part)
+        if self._waiting > _REPLAY_AT:
+            self.snaps()
+
+    def snaps(self) -> list[Snap]:
+        """The step's snapshots so far, in the recorder's order (replayed once, under a lock: two
+        exporters may read at once)."""
+        with self._lock:
+            parts, self._parts, self._waiting = self._parts, [], 0
+            recorder = self._recorder
+            apply = recorder.ledger._apply
+            for part in parts:
+                i, n = 0, len(part)
+                while i < n:
+                    head = part[i]
+                    if head.__class__ is str:
+                        apply(head, part[i + 1], part[i + 2])
+                        i += 3
+                    else:
+                        k = part[i + 1]
+                        i += 2 + k
+                        try:  # the step recorder's event, here; it ran once already without counters
+                            head.__func__(recorder, *part[i - k:i])
+                        except Exception:  # noqa: BLE001 - as the ledger's replay: the others still run
+                            logger.debug("fsdp_mem_otel: a replayed event failed", exc_info=True)
+            return recorder._snaps
+
+
 class StepRecorder:
     """Snapshots and peak windows of one step at a time, from module state events. Snapshots are
     kept as the ledger's ``Snap`` tuples in a log of parallel lists, the step's only containers
     (nothing the collector would promote and count towards a full collection); ``modules``
-    hands each module's report its positions in the log, and it builds its dicts when read."""
+    hands each module's report its positions in the log, and it builds its dicts when read (a
+    light step's snapshots come from its ``StepReplay`` then)."""
 
-    def __init__(self, ledger: Ledger, context: StepContext | None = None) -> None:
+    def __init__(self, ledger: Counters, context: StepContext | None = None) -> None:
         self.ledger = ledger
         self.context = context if context is not None else StepContext()
         self.reset()
@@ -104,6 +190,14 @@ class StepRecorder:
         self.context.in_ac_recompute = False
         self.context.backend_buffers = None
         self._ac_key: str | None = None
+        # A deferring ledger: the events are replayed here without counters (``_DRY``) and again,
+        # with them, by the step's ``StepReplay`` when its snapshots are read. A step that turns
+        # immediate (a deep step) records its counters here.
+        self._immediate = False
+        self._replay: StepReplay | None = None
+        if self.ledger.pending is not None:
+            self._replay = StepReplay(self.ledger.raw())
+            self.ledger.retain(self._replay.keep)
 
     # -- events --------------------------------------------------------------------------------
     def on_state(self, key: str, state: str, in_backward: bool = False, windowed: bool = True,
@@ -120,7 +214,7 @@ class StepRecorder:
             return
         phase, closes, opens = _STEPS[state]
         self.context.phase = phase
-        ledger, windows = self.ledger, self.windows
+        ledger, windows = self._target(), self.windows
         if windowed and closes is not None:
             if windows and windows[-1] == (key, closes):  # the usual nesting
                 windows.pop()
@@ -138,7 +232,7 @@ class StepRecorder:
     def open_window(self, key: str, peak_state: str, t: int | None = None) -> None:
         """Start module ``key``'s ``peak_state`` window (nested in the open ones); ``t``: unused,
         for the same replay signature as the other events."""
-        self.ledger.open_window()
+        self._target().open_window()
         self.windows.append((key, peak_state))
 
     def close_window(self, key: str, peak_state: str, t: int | None = None) -> None:
@@ -152,7 +246,7 @@ class StepRecorder:
         for i in range(n) if oldest else range(n - 1, -1, -1):
             if self.windows[i] == (key, peak_state):
                 del self.windows[i]
-                self._append(key, peak_state, self.ledger.close_window_at(i), t)
+                self._append(key, peak_state, self._target().close_window_at(i), t)
                 return
 
     def _on_recompute(self, key: str, state: str, t: int) -> None:
@@ -161,12 +255,12 @@ class StepRecorder:
             ctx.phase = PRE_FORWARD
         elif state == AFTER_PRE_FORWARD:
             ctx.phase = FORWARD
-            self._append(key, PRE_FORWARD_AC, self.ledger.snap(), t)
+            self._append(key, PRE_FORWARD_AC, self._target().snap(), t)
             if self._ac_key is None:
                 self._ac_key, ctx.in_ac_recompute = key, True
         elif state == BEFORE_POST_FORWARD:
             ctx.phase = POST_FORWARD
-            self._append(key, POST_FORWARD_AC, self.ledger.snap(), t)
+            self._append(key, POST_FORWARD_AC, self._target().snap(), t)
             if self._ac_key == key:
                 self._ac_key, ctx.in_ac_recompute = None, False
 
@@ -174,18 +268,37 @@ class StepRecorder:
         # Windows nest; if FSDP closes one out of order, close the inner ones first.
         if (key, peak_state) not in self.windows:
             return
+        target = self._target()
         while self.windows:
             k, s = self.windows.pop()
-            self._append(k, s, self.ledger.close_window_raw(), t)
+            self._append(k, s, target.close_window_raw(), t)
             if k == key and s == peak_state:
                 return
 
     def close_open_windows(self) -> None:
         """Close every window still open (step end), innermost first."""
+        self.ledger.queue(self._close_all)  # an event of the log where it defers: replayed in its place
         self.ledger.flush()
+
+    def _close_all(self) -> None:
+        target = self._target()
         while self.windows:
             key, peak_state = self.windows.pop()
-            self._append(key, peak_state, self.ledger.close_window_raw())
+            self._append(key, peak_state, target.close_window_raw())
+
+    def _target(self) -> Any:
+        """What snapshots are taken of and windows opened on: nothing while a deferring ledger
+        replays its log (``_DRY``; the step's ``StepReplay`` takes them when read), else the
+        ledger (an immediate one, or a call made directly: the step's reports take them here)."""
+        ledger = self.ledger
+        if ledger._replaying and ledger.pending is not None and self._replay is not None:
+            return _DRY
+        if not self._immediate:  # this step's reports take their snapshots here: no replay
+            self._immediate = True
+            if self._replay is not None:
+                self._replay = None
+                ledger.retain(None)
+        return ledger
 
     def _append(self, key: str, state: str, snap: Snap, t: int | None = None) -> None:
         self._keys.append(key)
@@ -202,8 +315,9 @@ class StepRecorder:
     @property
     def modules(self) -> dict[str, ModuleReport]:
         """The step's snapshots so far, per module, as reports hold them: each module's report
-        gets its positions in the step's log and its peak totals, computed here on the training
-        thread where the counters are warm; it builds its dicts when first read."""
+        gets its positions in the step's log and its peak totals (computed here where the step
+        took its snapshots; a light step's, with its snapshots, by its ``StepReplay`` at the first
+        read); it builds its dicts when first read."""
         self.ledger.flush()
         at: dict[str, list[int]] = {}
         for i, key in enumerate(self._keys):
@@ -213,6 +327,10 @@ class StepRecorder:
             else:
                 where.append(i)
         states, snaps = self._states, self._snaps
+        replay = self._replay
+        if replay is not None and not self._immediate:  # snapshots and peaks from the replay, when read
+            lazy = (states, replay.snaps, self._times)
+            return {key: CountedModuleReport(None, None, None, lazy, tuple(where)) for key, where in at.items()}
         log = (states, snaps, self._times)
         out: dict[str, ModuleReport] = {}
         for key, where in at.items():

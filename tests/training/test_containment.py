@@ -125,10 +125,10 @@ def disable_after_errors(opts_dict: dict[str, Any]) -> DisableResult:
     tracker = FSDPMemoryTracker(model, opt, config=TrackerConfig(max_errors=5))
     tracker.attach()
 
-    def broken() -> tuple[object, ...]:
+    def broken(*_: object) -> None:
         raise RuntimeError("always broken")
 
-    tracker.ledger.snap = broken  # type: ignore[method-assign]
+    tracker.ledger._apply = broken  # type: ignore[method-assign]  # every change the ledger replays
     for step in range(3):
         train_step(model, opt, make_batch(step, BATCH, WIDTH, rank))
         tracker.step()

@@ -96,6 +96,8 @@ def _random_step(sinks: list[Sink], rng: random.Random, blocks: int, read_every:
         each(lambda s: s.add("cpu", INDEX[UNSHARDED_PARAM], 512))
         tensor(rng.randint(1, 100), TEMP)
         tensor(rng.randint(1, 100), ACTIVATION)
+        relabelled = alive[-1]  # a storage named again (FSDP's, the optimizer's): its bytes move
+        each(lambda s, t=relabelled: s.ledger.track(t, UNSHARDED_PARAM))
         free_some()
         out = torch.empty(rng.randint(1, 64))
         each(lambda s, k=key, o=out: s.on_state(k, BEFORE_POST_FORWARD, o))
@@ -266,3 +268,24 @@ def test_the_replay_counts_in_the_trackers_overhead() -> None:
     assert sink.ledger.replay_seconds > 0 and sink.overhead == queued + sink.ledger.replay_seconds
     sink.end_step()
     assert sink.overhead == 0
+
+
+def test_a_light_steps_snapshots_are_replayed_only_when_read() -> None:
+    """The recorder follows the events without counters; the step's snapshots and peaks are
+    replayed from its log the first time a report is read, equal to an immediate ledger's, and a
+    report travels (pickled) with them."""
+    import pickle
+
+    sinks, errors = _pair()
+    _random_step(sinks, random.Random(3), blocks=3, read_every=0)
+    now, later = (sink.recorder.modules for sink in sinks)
+    replay = sinks[1].recorder._replay
+    assert replay is not None and replay._recorder._snaps == [] and replay._parts  # nothing replayed yet
+    first = next(iter(later.values()))
+    assert first.peak_totals == next(iter(now.values())).peak_totals  # the first read replays
+    assert replay._recorder._snaps and not replay._parts
+    assert _reports(sinks[1]) == _reports(sinks[0])
+    unread = sinks[1].recorder.modules  # read again: the same replay, nothing more to do
+    copied = pickle.loads(pickle.dumps(unread))
+    assert {k: m.snapshots for k, m in copied.items()} == {k: m.snapshots for k, m in now.items()}
+    assert not errors
