@@ -168,8 +168,9 @@ class CountedModuleReport(ModuleReport):
         self._log = log if counters is None else None
         self._at = at
         self._snapshots: dict[str, list[DeviceBreakdown]] | None = None
-        self._peak_totals = peak_totals
-        self._replayed = self._log is not None and callable(self._log[1])
+        #: the largest ``total`` of ``peak_forward`` and of ``peak_backward`` (None: not reached),
+        #: computed by the recorder; None when not given (``exporters.peaks`` then reads the counters)
+        self.peak_totals = peak_totals
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # a light step's replay (a function, a lock) goes as its result
@@ -177,22 +178,6 @@ class CountedModuleReport(ModuleReport):
         if log is not None and callable(log[1]):
             state["_log"] = (log[0], log[1](), log[2])
         return state
-
-    @property
-    def peak_totals(self) -> tuple[int | None, int | None] | None:
-        """The largest ``total`` of ``peak_forward`` and of ``peak_backward`` (None: not reached),
-        computed by the recorder, or from the counters of a light step replayed when read; None
-        when not given (``exporters.peaks`` then reads the counters)."""
-        if self._peak_totals is None and self._replayed:
-            counters = self._sorted()[0]
-            fwd, bwd = counters.get(PEAK_FORWARD), counters.get(PEAK_BACKWARD)
-            self._peak_totals = (largest_total(fwd) if fwd else None, largest_total(bwd) if bwd else None)
-        return self._peak_totals
-
-    @peak_totals.setter
-    def peak_totals(self, value: tuple[int | None, int | None] | None) -> None:
-        self._peak_totals = value
-        self._replayed = False
 
     def _sorted(self) -> tuple[dict[str, list[Any]], dict[str, list[int]]]:
         if self._counters is None or self._times is None:

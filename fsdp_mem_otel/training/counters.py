@@ -62,18 +62,24 @@ class _Window:
     (every saved activation in a forward); instead a device whose peak *is* the current counters
     is marked live, and the ledger copies it only when those counters are about to change
     downwards (a free, a relabel), when a nested window opens, or when it is read.
+    ``totals_only``: the largest totals alone, no counters copied (``snap`` is None).
     """
 
     __slots__ = ("live", "peak", "snap")
 
-    def __init__(self, current: RawBreakdown) -> None:
+    def __init__(self, current: RawBreakdown, totals_only: bool = False) -> None:
         # one loop, no comprehensions: windows open on the hot path (a module's forward, backward)
         self.peak: dict[str, int] = {}
-        self.snap: dict[str, tuple[int, ...]] = {}
+        self.live: set[str] = set()
+        if totals_only:
+            self.snap: dict[str, tuple[int, ...]] | None = None
+            for d, c in current.items():
+                self.peak[d] = c[_T]
+            return
+        self.snap = {}
         for d, c in current.items():
             self.peak[d] = c[_T]
             self.snap[d] = tuple(c)
-        self.live: set[str] = set()
 
     def offer(self, device: str, total: int) -> None:
         if total > self.peak.get(device, -1):
@@ -84,20 +90,29 @@ class _Window:
         """Copy the live peaks (all devices, or one) out of ``current`` before it changes."""
         if not self.live:
             return
-        if device is None:
+        snap = self.snap
+        if snap is None:  # totals only: nothing to copy
+            self.live.clear()
+        elif device is None:
             for d in self.live:
-                self.snap[d] = tuple(current[d])
+                snap[d] = tuple(current[d])
             self.live.clear()
         elif device in self.live:
-            self.snap[device] = tuple(current[device])
+            snap[device] = tuple(current[device])
             self.live.discard(device)
 
     def absorb(self, inner: _Window) -> None:
+        snap, inner_snap = self.snap, inner.snap
         for device, total in inner.peak.items():
             if total > self.peak.get(device, -1):
                 self.peak[device] = total
-                self.snap[device] = inner.snap[device]
+                if snap is not None and inner_snap is not None:
+                    snap[device] = inner_snap[device]
                 self.live.discard(device)
+
+    def total(self) -> int:
+        """The largest total of any device (0 for none)."""
+        return max(self.peak.values(), default=0)
 
 
 class Counters:
@@ -238,46 +253,62 @@ class Counters:
                 inner.offer(device, cats[_T])
 
     # -- windows and peaks ---------------------------------------------------------------------
-    def open_window(self) -> None:
-        """Start a nested peak window (a module's forward or backward)."""
+    def open_window(self, totals_only: bool = False) -> None:
+        """Start a nested peak window (a module's forward or backward); ``totals_only``: keep its
+        largest totals alone (``close_window_total``), no counters."""
         if self.pending and not self._replaying:  # the replay's own events: no call
             self.flush()
         if self._windows:
             self._windows[-1].settle(self._cur)  # it stops receiving offers now
         if self.window_watch is not None:
             self.window_watch.opened(self._cur)
-        self._windows.append(_Window(self._cur))
+        self._windows.append(_Window(self._cur, totals_only))
 
     def close_window_raw(self) -> Snap:
         """End the innermost window; return its peak as a snapshot (``Snap``; see
         ``as_breakdown``) and fold it into the enclosing one."""
-        if self.pending and not self._replaying:  # the replay's own events: no call
-            self.flush()
-        if not self._windows:
-            return ()
-        w = self._windows.pop()
-        w.settle(self._cur)
-        if self._windows:
-            self._windows[-1].absorb(w)
-        snap = snap_of(w.snap)
-        return snap if self.window_watch is None else self.window_watch.closed(len(self._windows), snap)
+        return self.close_window_at(-1)
 
     def close_window_at(self, index: int) -> Snap:
-        """End the window at ``index`` of the open ones (0 = outermost), which need not be the
-        innermost: windows that overlap without nesting (modules whose backward spans cross).
-        Its peak takes in what the windows opened after it have seen so far; returns it (raw)."""
-        self.flush()
-        if index == len(self._windows) - 1 or index == -1:
-            return self.close_window_raw()
-        w = self._windows[index]
-        for inner in self._windows[index + 1:]:
+        """End the window at ``index`` of the open ones (0 = outermost; -1: the innermost), which
+        need not be the innermost: windows that overlap without nesting (modules whose backward
+        spans cross). Its peak takes in what the windows opened after it have seen so far;
+        returns it (raw)."""
+        w = self._close_window(index)
+        if w is None:
+            return ()
+        snap = snap_of(w.snap or {})
+        if self.window_watch is None:
+            return snap
+        return self.window_watch.closed(len(self._windows) if index == -1 else index, snap)
+
+    def close_window_total(self, index: int = -1) -> int:
+        """``close_window_at`` for a ``totals_only`` window: its largest total of any device."""
+        w = self._close_window(index)
+        return 0 if w is None else w.total()
+
+    def _close_window(self, index: int) -> _Window | None:
+        # End the window at ``index`` (-1: the innermost), folding what the windows opened after it
+        # have seen into it, and it into the enclosing one; None when no window is open.
+        if self.pending and not self._replaying:  # the replay's own events: no call
+            self.flush()
+        windows = self._windows
+        if not windows:
+            return None
+        if index == -1 or index == len(windows) - 1:
+            w = windows.pop()
+            w.settle(self._cur)
+            if windows:
+                windows[-1].absorb(w)
+            return w
+        w = windows[index]
+        for inner in windows[index + 1:]:
             inner.settle(self._cur)
             w.absorb(inner)
-        del self._windows[index]
+        del windows[index]
         if index > 0:
-            self._windows[index - 1].absorb(w)
-        snap = snap_of(w.snap)
-        return snap if self.window_watch is None else self.window_watch.closed(index, snap)
+            windows[index - 1].absorb(w)
+        return w
 
     @property
     def open_windows(self) -> int:

@@ -9,11 +9,12 @@ activation-checkpoint recompute (forward states during backward) and knows which
 running when a step aborts. ``StepContext`` is what per-op accounting (deep mode) reads: the FSDP
 phase, whether the optimizer or a checkpoint recompute is running.
 
-Light steps (a deferring ledger) take their snapshots when a report is first read, not during the
-step: the ledger's replay runs the events here without counters (windows, keys, states and times:
-what ending a step and locating an abort need), and ``StepReplay`` runs them again, with the
-step's byte changes, for the snapshots and window peaks. A step nobody reads (no exporter that
-needs a module's figures this step: Prometheus reads them at a scrape) never takes them.
+Light steps (a deferring ledger) take their snapshots when a report's are first read, not during
+the step: the ledger's replay runs the events here with each window's largest total alone (the
+module peaks exporters read every step) besides keys, states, times and open windows (what ending
+a step and locating an abort need), and ``StepReplay`` runs them again, with the step's byte
+changes, for the snapshots. A step whose snapshots nobody reads (they are read for a JSONL line
+that carries them, module spans, Prometheus detail series) never takes them.
 """
 
 from __future__ import annotations
@@ -88,25 +89,29 @@ class StepContext:
         self.backend_buffers: list[Any] | None = None
 
 
-class _Dry:
-    """What the step recorder records against while the ledger defers: no counters, no windows."""
+class _Totals:
+    """What the step recorder records against in a deferring ledger's replay: each window's
+    largest total alone (the two integers per module that exporters read every step), no
+    snapshot; the step's ``StepReplay`` takes those when read."""
 
-    __slots__ = ()
+    __slots__ = ("_counters",)
+
+    def __init__(self, counters: Counters) -> None:
+        self._counters = counters
 
     def snap(self) -> Snap:
         return ()
 
     def open_window(self) -> None:
-        return None
+        self._counters.open_window(totals_only=True)
 
-    def close_window_raw(self) -> Snap:
-        return ()
+    def close_window_raw(self) -> int:
+        return self._counters.close_window_total()
 
-    def close_window_at(self, index: int) -> Snap:
-        return ()
+    def close_window_at(self, index: int) -> int:
+        return self._counters.close_window_total(index)
 
 
-_DRY = _Dry()
 #: log entries a step replay keeps before it replays them at once (a loop that never calls step())
 _REPLAY_AT = 1 << 18
 
@@ -115,13 +120,12 @@ class StepReplay:
     """A light step's snapshots and window peaks, replayed from its log when first read.
 
     While the ledger defers, the step recorder follows each event's module, state, time and
-    windows (what locating an abort and ending the step need) and takes no snapshot; the ledger
-    hands each replayed part of its log here (``Counters.retain``). The first read of a report's
-    snapshots or peaks replays those parts again, events and changes alike, through a recorder of
-    its own on counters that start from the step's: the same code on the same events, so the same
-    snapshots, at the same positions, as an immediate ledger gives. Nobody reading them (no
-    exporter that needs a module's figures this step) costs nothing more; an exporter reads them on
-    its own thread. Holds names and numbers, never a tensor."""
+    windows, with each window's largest total, and takes no snapshot; the ledger hands each
+    replayed part of its log here (``Counters.retain``). The first read of a report's snapshots
+    replays those parts again, events and changes alike, through a recorder of its own on counters
+    that start from the step's: the same code on the same events, so the same snapshots, at the
+    same positions, as an immediate ledger gives. Nobody reading them costs nothing more; an
+    exporter reads them on its own thread. Holds names and numbers, never a tensor."""
 
     def __init__(self, start: RawBreakdown) -> None:
         counters = Counters()
@@ -183,21 +187,22 @@ class StepRecorder:
         # container per snapshot; only ever appended to); the step's module reports read them
         self._keys: list[str] = []
         self._states: list[str] = []
-        self._snaps: list[Snap] = []
+        self._snaps: list[Any] = []  # Snaps; a light step's replay: (), and a window's largest total
         self._times: list[int] = []
         self.windows: list[tuple[str, str]] = []  # (module key, peak state) per open window
         self.context.phase = IDLE
         self.context.in_ac_recompute = False
         self.context.backend_buffers = None
         self._ac_key: str | None = None
-        # A deferring ledger: the events are replayed here without counters (``_DRY``) and again,
-        # with them, by the step's ``StepReplay`` when its snapshots are read. A step that turns
-        # immediate (a deep step) records its counters here.
+        # A deferring ledger: the events are replayed here with window totals alone (``_Totals``)
+        # and again, with the counters, by the step's ``StepReplay`` when its snapshots are read.
+        # A step that turns immediate (a deep step) records its counters here.
         self._immediate = False
         self._replay: StepReplay | None = None
         if self.ledger.pending is not None:
             self._replay = StepReplay(self.ledger.raw())
             self.ledger.retain(self._replay.keep)
+        self._totals = _Totals(self.ledger)
 
     # -- events --------------------------------------------------------------------------------
     def on_state(self, key: str, state: str, in_backward: bool = False, windowed: bool = True,
@@ -287,12 +292,12 @@ class StepRecorder:
             self._append(key, peak_state, target.close_window_raw())
 
     def _target(self) -> Any:
-        """What snapshots are taken of and windows opened on: nothing while a deferring ledger
-        replays its log (``_DRY``; the step's ``StepReplay`` takes them when read), else the
-        ledger (an immediate one, or a call made directly: the step's reports take them here)."""
+        """What snapshots are taken of and windows opened on: while a deferring ledger replays
+        its log, window totals alone (``_Totals``; the step's ``StepReplay`` takes the snapshots
+        when read), else the ledger (an immediate one, or a call made directly)."""
         ledger = self.ledger
         if ledger._replaying and ledger.pending is not None and self._replay is not None:
-            return _DRY
+            return self._totals
         if not self._immediate:  # this step's reports take their snapshots here: no replay
             self._immediate = True
             if self._replay is not None:
@@ -328,18 +333,16 @@ class StepRecorder:
                 where.append(i)
         states, snaps = self._states, self._snaps
         replay = self._replay
-        if replay is not None and not self._immediate:  # snapshots and peaks from the replay, when read
-            lazy = (states, replay.snaps, self._times)
-            return {key: CountedModuleReport(None, None, None, lazy, tuple(where)) for key, where in at.items()}
-        log = (states, snaps, self._times)
+        lazy = replay is not None and not self._immediate  # the snapshots from the replay, when read
+        log = (states, replay.snaps if replay is not None and lazy else snaps, self._times)
         out: dict[str, ModuleReport] = {}
         for key, where in at.items():
             fwd = bwd = None
             for i in where:
                 state = states[i]
                 if state == PEAK_FORWARD or state == PEAK_BACKWARD:
-                    snap = snaps[i]  # one device, nearly always: its total read at once
-                    total = snap[1][_TOTAL] if len(snap) == 2 else largest_total([snap])
+                    snap = snaps[i]  # a light step's: the total itself; else, nearly always one device
+                    total = snap if lazy else snap[1][_TOTAL] if len(snap) == 2 else largest_total([snap])
                     if state == PEAK_FORWARD:
                         fwd = max(fwd or 0, total)
                     else:
