@@ -117,7 +117,7 @@ _REPLAY_AT = 1 << 18
 
 
 class StepReplay:
-    """A light step's snapshots and window peaks, replayed from its log when first read.
+    """A light step's snapshots (its windows' peaks included), replayed from its log when first read.
 
     While the ledger defers, the step recorder follows each event's module, state, time and
     windows, with each window's largest total, and takes no snapshot; the ledger hands each
@@ -320,9 +320,9 @@ class StepRecorder:
     @property
     def modules(self) -> dict[str, ModuleReport]:
         """The step's snapshots so far, per module, as reports hold them: each module's report
-        gets its positions in the step's log and its peak totals (computed here where the step
-        took its snapshots; a light step's, with its snapshots, by its ``StepReplay`` at the first
-        read); it builds its dicts when first read."""
+        gets its positions in the step's log and its peak totals (from the peak snapshots, or a
+        light step's window totals); it builds its dicts when first read (a light step's from the
+        snapshots its ``StepReplay`` takes then)."""
         self.ledger.flush()
         at: dict[str, list[int]] = {}
         for i, key in enumerate(self._keys):
@@ -341,8 +341,9 @@ class StepRecorder:
             for i in where:
                 state = states[i]
                 if state == PEAK_FORWARD or state == PEAK_BACKWARD:
-                    snap = snaps[i]  # a light step's: the total itself; else, nearly always one device
-                    total = snap if lazy else snap[1][_TOTAL] if len(snap) == 2 else largest_total([snap])
+                    snap = snaps[i]  # a light step's: the window's total; else, nearly always one device
+                    total = snap if snap.__class__ is int else snap[1][_TOTAL] if len(snap) == 2 \
+                        else largest_total([snap])
                     if state == PEAK_FORWARD:
                         fwd = max(fwd or 0, total)
                     else:
