@@ -128,10 +128,8 @@ class StepReplay:
     exporter reads them on its own thread. Holds names and numbers, never a tensor."""
 
     def __init__(self, start: RawBreakdown) -> None:
-        counters = Counters()
-        counters._cur.update(start)
-        counters.reset_step()
-        self._recorder = StepRecorder(counters, StepContext())
+        self._start = start  # the counters when the step began; its recorder is made at the first read
+        self._recorder: StepRecorder | None = None
         self._parts: list[list[Any]] = []
         self._waiting = 0
         self._lock = threading.Lock()
@@ -150,6 +148,11 @@ class StepReplay:
         with self._lock:
             parts, self._parts, self._waiting = self._parts, [], 0
             recorder = self._recorder
+            if recorder is None:
+                counters = Counters()
+                counters._cur.update(self._start)
+                counters.reset_step()
+                recorder = self._recorder = StepRecorder(counters, StepContext())
             apply = recorder.ledger._apply
             for part in parts:
                 i, n = 0, len(part)

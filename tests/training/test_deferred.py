@@ -281,12 +281,12 @@ def test_a_light_steps_snapshots_are_replayed_only_when_read() -> None:
     _random_step(sinks, random.Random(3), blocks=3, read_every=0)
     now, later = (sink.recorder.modules for sink in sinks)
     replay = sinks[1].recorder._replay
-    assert replay is not None and replay._recorder._snaps == [] and replay._parts  # nothing replayed yet
+    assert replay is not None and replay._recorder is None and replay._parts  # nothing replayed yet
     assert {k: m.peak_totals for k, m in later.items()} == {k: m.peak_totals for k, m in now.items()}
-    assert replay._recorder._snaps == [] and replay._parts  # the peaks came without a replay
+    assert replay._recorder is None and replay._parts  # the peaks came without a replay
     first = next(iter(later.values()))
     assert first.snapshots == next(iter(now.values())).snapshots  # the first read replays
-    assert replay._recorder._snaps and not replay._parts
+    assert replay._recorder is not None and replay._recorder._snaps and not replay._parts
     assert _reports(sinks[1]) == _reports(sinks[0])
     unread = sinks[1].recorder.modules  # read again: the same replay, nothing more to do
     copied = pickle.loads(pickle.dumps(unread))
