@@ -164,7 +164,7 @@ class StepReplay:
                     else:
                         k = part[i + 1]
                         i += 2 + k
-                        try:  # the step recorder's event, here; it ran once already without counters
+                        try:  # the step recorder's event, here; it ran once already, with window totals alone
                             head.__func__(recorder, *part[i - k:i])
                         except Exception:  # noqa: BLE001 - as the ledger's replay: the others still run
                             logger.debug("fsdp_mem_otel: a replayed event failed", exc_info=True)
