@@ -200,7 +200,6 @@ class StepRecorder:
         # A deferring ledger: the events are replayed here with window totals alone (``_Totals``)
         # and again, with the counters, by the step's ``StepReplay`` when its snapshots are read.
         # A step that turns immediate (a deep step) records its counters here.
-        self._immediate = False
         self._replay: StepReplay | None = None
         if self.ledger.pending is not None:
             self._replay = StepReplay(self.ledger.raw())
@@ -299,13 +298,11 @@ class StepRecorder:
         its log, window totals alone (``_Totals``; the step's ``StepReplay`` takes the snapshots
         when read), else the ledger (an immediate one, or a call made directly)."""
         ledger = self.ledger
-        if ledger._replaying and ledger.pending is not None and self._replay is not None:
-            return self._totals
-        if not self._immediate:  # this step's reports take their snapshots here: no replay
-            self._immediate = True
-            if self._replay is not None:
-                self._replay = None
-                ledger.retain(None)
+        if self._replay is not None:
+            if ledger._replaying and ledger.pending is not None:
+                return self._totals
+            self._replay = None  # this step's reports take their snapshots here: no replay
+            ledger.retain(None)
         return ledger
 
     def _append(self, key: str, state: str, snap: Snap, t: int | None = None) -> None:
@@ -336,8 +333,7 @@ class StepRecorder:
                 where.append(i)
         states, snaps = self._states, self._snaps
         replay = self._replay
-        lazy = replay is not None and not self._immediate  # the snapshots from the replay, when read
-        log = (states, replay.snaps if replay is not None and lazy else snaps, self._times)
+        log = (states, replay.snaps if replay is not None else snaps, self._times)  # a light step's: when read
         out: dict[str, ModuleReport] = {}
         for key, where in at.items():
             fwd = bwd = None
