@@ -2,7 +2,7 @@
 
 Run (one GPU, FSDP2 over a 1-rank NCCL group):
 
-    python benchmarks/gpu_cost.py [--rounds 5] [--steps 10] [--compile] [--json PATH]
+    python benchmarks/gpu_cost.py [--rounds 5] [--steps 10] [--batch 4] [--compile] [--json PATH]
 
 Model: the HF Llama of tests/cuda_llama.py (337M parameters, bf16, batch 4 x 2048 tokens, AdamW).
 Variants, interleaved round by round (the order rotates each round): untracked, light,
@@ -65,8 +65,8 @@ def _steps(model: Any, opt: Any, ids: torch.Tensor, tracker: FSDPMemoryTracker |
     return out
 
 
-def measure(rounds: int, steps: int, compiled: bool) -> dict[str, Any]:
-    model, opt, ids = cuda_llama.build(compile_layers=compiled)
+def measure(rounds: int, steps: int, compiled: bool, batch: int = cuda_llama.BATCH) -> dict[str, Any]:
+    model, opt, ids = cuda_llama.build(compile_layers=compiled, batch=batch)
     for _ in range(3):
         cuda_llama.train_step(model, opt, ids)
     variants = [v for v in VARIANTS if not (compiled and v == "deep")]
@@ -85,7 +85,8 @@ def measure(rounds: int, steps: int, compiled: bool) -> dict[str, Any]:
                 assert tracker.errors_total == 0, f"{name}: {tracker.errors_total} tracker errors"
                 tracker.detach()
             per[name].append(tuple(statistics.fmean(x[i] for x in got) for i in range(3)))  # type: ignore[arg-type]
-    result: dict[str, Any] = {"compiled": compiled, "rounds": rounds, "steps": steps, "deep_skipped": sorted(skipped)}
+    result: dict[str, Any] = {"compiled": compiled, "batch": batch, "rounds": rounds, "steps": steps,
+                              "deep_skipped": sorted(skipped)}
     for name, means in per.items():
         wall, host, cpu = (statistics.median(m[i] for m in means) for i in range(3))
         result[name] = {"wall_ms": wall * 1e3, "host_ms": host * 1e3, "cpu_ms": cpu * 1e3,
@@ -148,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant per round (default 10)")
     p.add_argument("--compile", action="store_true", help="compile each decoder layer (inductor) before sharding")
+    p.add_argument("--batch", type=int, default=cuda_llama.BATCH,
+                   help=f"sequences of {cuda_llama.SEQ} tokens per step (default {cuda_llama.BATCH}); "
+                        "larger is more GPU-bound")
     p.add_argument("--reads", action="store_true", help="also time the allocator reads")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = p.parse_args(argv)
@@ -156,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cuda_llama.init_one_rank_nccl()
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    result["cost"] = measure(args.rounds, args.steps, args.compile)
+    result["cost"] = measure(args.rounds, args.steps, args.compile, args.batch)
     if args.reads:
         result["reads"] = allocator_reads()
     text = json.dumps(result, indent=1)

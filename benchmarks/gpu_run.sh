@@ -4,7 +4,8 @@
 # package's dependencies travels in .gpu/ (not committed): .gpu/site (wheels unpacked for its
 # Python: OpenTelemetry, orjson, prometheus_client, grafana-foundation-sdk, promql-parser,
 # jsonschema) and .gpu/prometheus.xz (Debian's Prometheus server). Each part has its own time
-# limit, so one that hangs leaves the others their figures; everything lands in $OUT.
+# limit, so one that hangs leaves the others their figures; everything lands in $OUT. BATCH: the
+# cost runs' sequences per step (default 4; larger is more GPU-bound).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-out}
@@ -27,11 +28,11 @@ for part in $PARTS; do
         tests/dashboards/test_cuda_prometheus.py > "$OUT/pytest.log" 2>&1
       echo "tests: rc=$? in $(( $(date +%s) - start )) s"; grep -E "GPU-RESULT|PASSED|FAILED|ERROR|passed|failed" "$OUT/pytest.log" | cut -c1-400 | tail -40 ;;
     eager)
-      timeout "${EAGER_LIMIT:-150}" python3 benchmarks/gpu_cost.py --rounds 5 --steps 10 --reads \
+      timeout "${EAGER_LIMIT:-150}" python3 benchmarks/gpu_cost.py --rounds 5 --steps 10 --batch "${BATCH:-4}" --reads \
         --json "$OUT/cost_eager.json" > "$OUT/cost_eager.log" 2>&1
       echo "eager: rc=$? in $(( $(date +%s) - start )) s"; tail -c 2500 "$OUT/cost_eager.log" ;;
     compiled)
-      timeout "${COMPILED_LIMIT:-200}" python3 benchmarks/gpu_cost.py --rounds 3 --steps 10 --compile \
+      timeout "${COMPILED_LIMIT:-200}" python3 benchmarks/gpu_cost.py --rounds 3 --steps 10 --batch "${BATCH:-4}" --compile \
         --json "$OUT/cost_compiled.json" > "$OUT/cost_compiled.log" 2>&1
       echo "compiled: rc=$? in $(( $(date +%s) - start )) s"; tail -c 1500 "$OUT/cost_compiled.log" ;;
   esac

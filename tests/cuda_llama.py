@@ -2,8 +2,8 @@
 side: the CUDA tests (tests/training/test_cuda_llama.py) and benchmarks/gpu_cost.py use it.
 
 ``AllocatorWindows`` is the oracle for per-module peaks: it follows the tracker's own peak windows
-(the ledger's ``open_window`` / ``close_window_*``, the calls every module's forward and backward
-window goes through) and, at each of those moments, reads and resets the allocator's
+(as the ledger's window watch, told of every module's forward and backward window edge) and, at
+each of those moments, reads and resets the allocator's
 ``active_bytes`` and ``allocated_bytes`` peaks. A window's allocator peak is the largest reading
 taken while it was open, so both sides measure the same stretch of the step; the step's is the
 largest reading of all. Resetting the peaks at every window edge is why it runs in tests only.
@@ -77,10 +77,10 @@ def next_token_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
-def build(checkpointing: bool = False, compile_layers: bool = False,
+def build(checkpointing: bool = False, compile_layers: bool = False, batch: int = BATCH,
           ) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
-    """The sharded model on GPU 0, its AdamW and a batch of token ids. ``compile_layers``: each
-    decoder layer compiled in place before sharding (torchtitan's way)."""
+    """The sharded model on GPU 0, its AdamW and ``batch`` sequences of token ids.
+    ``compile_layers``: each decoder layer compiled in place before sharding (torchtitan's way)."""
     with torch.device("cuda"):
         model = llama(checkpointing)
     if compile_layers:
@@ -88,7 +88,7 @@ def build(checkpointing: bool = False, compile_layers: bool = False,
             layer.compile()
     model = fsdp_wrap(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), device="cuda",
+    ids = torch.randint(0, CONFIG["vocab_size"], (batch, SEQ), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(0))
     return model, opt, ids
 
@@ -125,6 +125,7 @@ class AllocatorWindows:
     untracked: list[int] = field(default_factory=list)
     step: tuple[int, int] = (0, 0)
     shared: bool = False
+    device: str = "cuda:0"  # the ledger's device whose counters ``untracked`` subtracts
     _open: list[_Open] = field(default_factory=list)
 
     def read(self) -> None:
@@ -143,10 +144,14 @@ class AllocatorWindows:
         torch.cuda.reset_peak_memory_stats()
 
     def watch(self, tracker: Any) -> None:
-        """Mirror ``tracker``'s ledger windows (instance attributes over its methods)."""
+        """Follow ``tracker``'s peak windows as the ledger's window watch (``Counters.watch_windows``),
+        chained to the tracker's own (``AllocatorTemps`` with ``reset_peaks``). A watched ledger
+        applies each change at once (its window edges must be read in time), so a light tracker
+        runs immediate here; ``tests/training/test_deferred.py`` holds the deferred ledger's
+        figures equal to the immediate one's."""
         ledger = tracker.ledger
-        open_window, close_raw, close_at = ledger.open_window, ledger.close_window_raw, ledger.close_window_at
-        self.shared = ledger.window_watch is not None
+        inner = ledger.window_watch
+        self.shared = inner is not None
         if self.shared:  # the tracker reads and resets at each edge: read just before it does
             probe, edge = tracker._probe, tracker._probe.window_edge
 
@@ -155,37 +160,15 @@ class AllocatorWindows:
                 return edge()
 
             probe.window_edge = read_then_edge
+        ledger.watch_windows(_Watch(self, ledger, inner))
 
-        def popped(index: int = -1) -> None:
-            w = self._open.pop(index)
-            self.closed.append((w.active, w.allocated))
-            self.untracked.append(torch.cuda.memory_allocated() - ledger.raw().get("cuda:0", [0])[-1])
+    def _opened(self) -> None:
+        self._open.append(_Open(*_peaks()))  # just reset: the peaks are what is allocated now
 
-        def pushed() -> None:
-            self._open.append(_Open(*_peaks()))  # just reset: the peaks are what is allocated now
-
-        def at_edge(call: Any, then: Any) -> Any:
-            """Read, mirror, call the ledger; shared: call the ledger (its edge reads), mirror."""
-            if not self.shared:
-                self.read()
-                then()
-                return call()
-            out = call()
-            then()
-            return out
-
-        def opened() -> None:
-            at_edge(open_window, pushed)
-
-        def closed_raw() -> Any:
-            return at_edge(close_raw, popped)
-
-        def closed_at(index: int) -> Any:
-            if index in (-1, len(self._open) - 1):
-                return closed_raw()
-            return at_edge(lambda: close_at(index), lambda: popped(index))
-
-        ledger.open_window, ledger.close_window_raw, ledger.close_window_at = opened, closed_raw, closed_at
+    def _closed(self, index: int, ledger: Any) -> None:
+        w = self._open.pop(index)
+        self.closed.append((w.active, w.allocated))
+        self.untracked.append(torch.cuda.memory_allocated() - ledger.raw().get(self.device, [0])[-1])
 
     def module_peaks(self, tracker: Any) -> dict[tuple[str, str], tuple[int, int]]:
         """(module key, peak state) -> the allocator's largest (active, allocated) peak over that
@@ -197,6 +180,34 @@ class AllocatorWindows:
             a, b = out.get(where, (0, 0))
             out[where] = (max(a, active), max(b, allocated))
         return out
+
+
+@dataclass
+class _Watch:
+    """The ledger's ``window_watch`` for ``AllocatorWindows``: read (unless the tracker's own watch,
+    ``inner``, reads and resets) and mirror each window edge."""
+
+    windows: AllocatorWindows
+    ledger: Any
+    inner: Any
+
+    def opened(self, current: Any) -> None:
+        if self.inner is None:
+            self.windows.read()
+        else:
+            self.inner.opened(current)
+        self.windows._opened()
+
+    def closed(self, index: int, snap: Any) -> Any:
+        if self.inner is None:
+            self.windows.read()
+        else:
+            snap = self.inner.closed(index, snap)
+        self.windows._closed(index, self.ledger)
+        return snap
+
+    def step_peak(self, peak: Any) -> Any:
+        return peak if self.inner is None else self.inner.step_peak(peak)
 
 
 def tracked_module_peaks(report: Any, device: str = "cuda:0") -> dict[tuple[str, str], int]:
