@@ -8,7 +8,7 @@ Run (2 ranks, gloo, CPU):
 Every function through which training enters the tracker is wrapped with a timer before attach:
 the sink's state events (``on_state``: the forward hooks and the group emits), the FSDP2 group
 events (named after the accounting method they run), the adapter's catching up at forward
-boundaries, the saved-tensor pack hook, the ledger's free callbacks, the optimizer hooks and
+boundaries, the saved-tensor pack and unpack hooks, the ledger's free callbacks, the optimizer hooks and
 ``step()``. Only the outermost entry is timed, so nested calls count once. The timers' own cost
 per call (a timed no-op, measured in each round) times the calls is subtracted: both figures are
 printed. Rounds interleave an untracked and a tracked run of the same
@@ -136,6 +136,7 @@ def instrument() -> None:
         setattr(fsdp2.FSDP2Adapter, name, timed(f"adapter {name}", getattr(fsdp2.FSDP2Adapter, name)))
     activations.SavedTensorAccounting._pack = timed(  # type: ignore[method-assign]
         "saved-tensor pack", activations.SavedTensorAccounting._pack)
+    activations._unpack = timed("saved-tensor unpack", activations._unpack)  # bound at each push
     for name in ("_on_pre", "_on_post"):
         setattr(optimizers.OptimizerWatch, name, timed("optimizer hooks", getattr(optimizers.OptimizerWatch, name)))
     free_callback = ledger._free_callback

@@ -4,7 +4,9 @@ During each outermost FSDP module's forward, ``SavedTensorAccounting`` keeps aut
 saved-tensor hooks pushed (``torch.autograd.graph.saved_tensors_hooks``, the mechanism
 ``save_on_cpu`` and activation checkpointing use). Its pack hook accounts the storage of every
 tensor autograd saves as ``activation`` unless the ledger already knows it (parameters, inputs,
-gradients keep their own category) and hands autograd a detached alias; unpack gives it back.
+gradients keep their own category) and hands autograd a detached alias with the tensor's version;
+unpack gives it back after autograd's own version check (which saved-tensor hooks turn off: an
+in-place change of a saved tensor raises as it does untracked).
 The storage's bytes leave the ledger when it is freed, i.e. when backward releases it. There is
 no per-op interception: the hooks run once per saved tensor.
 
@@ -43,8 +45,21 @@ _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 
 
-def _unpack(packed: torch.Tensor) -> torch.Tensor:
-    return packed
+def _unpack(packed: Any) -> torch.Tensor:
+    # Autograd checks a saved tensor's version only when no saved-tensor hooks are set: ours
+    # repeat its check, so that an in-place change of a saved tensor still raises as it would
+    # untracked instead of giving wrong gradients.
+    if packed.__class__ is not tuple:
+        return packed  # type: ignore[no-any-return]
+    t, version = packed
+    if t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version {version} "
+            "instead. (Raised by fsdp_mem_otel's saved-tensor hooks, in place of autograd's own check, "
+            "which saved-tensor hooks turn off.) Hint: enable anomaly detection with "
+            "torch.autograd.set_detect_anomaly(True) to find the operation.")
+    return t  # type: ignore[no-any-return]
 
 
 class SavedTensorAccounting:
@@ -91,7 +106,7 @@ class SavedTensorAccounting:
         except Exception as exc:  # noqa: BLE001
             self._on_error(exc)
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int] | torch.Tensor:
         try:
             if type(t) is torch.Tensor and t.layout is _STRIDED:  # the common case, written out
                 st = t.untyped_storage()
@@ -103,10 +118,15 @@ class SavedTensorAccounting:
         except Exception as exc:  # noqa: BLE001 - accounting must never break autograd
             self._on_error(exc)
         # A saved output held as itself would tie it to its own grad_fn, a cycle through C++ that
-        # keeps it alive when a graph is dropped without backward: hand autograd a detached alias.
-        # A leaf (a parameter, an input) has no grad_fn to tie: it goes as it is (a detach costs
-        # ~1 us and one more tensor object for the collector, for 2 in 5 saved tensors).
-        return t if t.is_leaf else t.detach()
+        # keeps it alive when a graph is dropped without backward: hand autograd a detached alias
+        # (it shares the version counter). A leaf (a parameter, an input) has no grad_fn to tie:
+        # it goes as it is (a detach costs ~1 us and one more tensor object for the collector, for
+        # 2 in 5 saved tensors). With the version now, for ``_unpack``'s check.
+        saved = t if t.is_leaf else t.detach()
+        try:
+            return saved, t._version
+        except Exception:  # noqa: BLE001 - a tensor without a version counter: no check
+            return saved
 
     def _chain(self, their_pack: Callable[[torch.Tensor], Any], _: Any) -> Callable[[torch.Tensor], Any]:
         ledger, on_error, owners = self._ledger, self._on_error, self._owners

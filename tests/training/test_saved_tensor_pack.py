@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 
 from fsdp_mem_otel.schema import ACTIVATION
@@ -24,10 +25,10 @@ def test_leaves_go_as_they_are_and_the_rest_as_detached_aliases() -> None:
     w = torch.randn(16, 16, requires_grad=True)
     x = torch.randn(4, 16)
     h = torch.randn(4, 16, requires_grad=True) * 2  # not a leaf
-    assert acct._pack(w) is w
-    assert acct._pack(x) is x
-    alias = acct._pack(h)
-    assert alias is not h and alias.grad_fn is None
+    assert acct._pack(w) == (w, w._version)
+    assert acct._pack(x)[0] is x
+    alias, version = acct._pack(h)  # type: ignore[misc]
+    assert alias is not h and alias.grad_fn is None and version == h._version
     assert alias.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()
     assert not errors
     # each storage counted once, as an activation (w and x are not known to the ledger otherwise)
@@ -72,3 +73,40 @@ def test_a_graph_dropped_without_backward_frees_what_it_saved() -> None:
     gc.collect()
     assert saved_output() is None and inner() is None
     assert ledger.category_bytes(ACTIVATION) == 0  # mm saved the input alone (w needs no gradient of x)
+
+
+def _modified_saved_tensor(push: bool, case: str) -> None:
+    """A saved tensor changed in place before backward: autograd raises (without hooks)."""
+    _, acct, errors = _accounting()
+    w = torch.randn(4, 4, requires_grad=True)
+    if push:
+        acct.push()
+    try:
+        h = torch.randn(2, 4) @ w
+        if case == "a saved output":  # exp saves its result
+            out = h.exp()
+            out.add_(1)
+        elif case == "a saved input":  # mul saves its inputs
+            out = h * h
+            h.add_(1)
+        else:  # a leaf autograd saves as it is
+            leaf = torch.randn(2, 4, requires_grad=True)
+            out = h * leaf
+            with torch.no_grad():
+                leaf.add_(1)
+    finally:
+        acct.pop()
+    try:
+        out.sum().backward()
+    finally:
+        assert not errors
+
+
+@pytest.mark.parametrize("case", ["a saved output", "a saved input", "a saved leaf"])
+def test_a_saved_tensor_changed_in_place_raises_as_it_does_untracked(case: str) -> None:
+    # saved-tensor hooks turn autograd's version check off: ours repeat it
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as untracked:
+        _modified_saved_tensor(False, case)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as tracked:
+        _modified_saved_tensor(True, case)
+    assert "is at version" in str(untracked.value) and "is at version" in str(tracked.value)
