@@ -5,6 +5,8 @@ Oracles: numel x element size of the tensors handed in, and autograd itself (wha
 
 from __future__ import annotations
 
+from collections import OrderedDict, namedtuple
+
 import torch
 
 from fsdp_mem_otel.schema import (
@@ -22,6 +24,7 @@ from fsdp_mem_otel.schema import (
     TOTAL,
     UNSHARDED_PARAM,
 )
+from fsdp_mem_otel.training.adapters.base import tensors_in
 from fsdp_mem_otel.training.deep import DeepMode
 from fsdp_mem_otel.training.ledger import INDEX, Ledger
 from fsdp_mem_otel.training.recorder import StepRecorder
@@ -171,3 +174,15 @@ def test_a_backends_own_buffer_ends_with_the_post_backward() -> None:
     del flat, doubled
     assert ledger.current.get("cpu", {}).get(TOTAL, 0) == 0
     assert context.backend_buffers is None and errors == []
+
+
+def test_tensors_in_finds_every_tensor_in_order_through_containers_and_subclasses() -> None:
+    # a forward hook's (args, kwargs): tuples, lists, dicts, their subclasses (namedtuple,
+    # OrderedDict), Parameters and non-tensors mixed in
+    pair = namedtuple("pair", "first second")
+    a, b, c, d = (torch.randn(2) for _ in range(4))
+    p = torch.nn.Parameter(torch.randn(3))
+    inputs = ((a, None, 3, [pair(b, "x")]), {"mask": c, "nested": OrderedDict(w=p, more=(d,)), "flag": True})
+    assert [id(t) for t in tensors_in(inputs)] == [id(t) for t in (a, b, c, p, d)]
+    assert tensors_in(a)[0] is a and tensors_in(p)[0] is p
+    assert tensors_in(((), {})) == [] and tensors_in(None) == [] and tensors_in("text") == []

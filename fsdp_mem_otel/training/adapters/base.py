@@ -136,16 +136,28 @@ class Adapter(Protocol):
         """Groups light mode accounts per tensor because their events cannot say their bytes."""
 
 
+_Tensor = torch.Tensor
+
+
 def tensors_in(obj: object) -> list[torch.Tensor]:
-    """The tensors inside nested lists, tuples and dicts, as a list (the hot path's ``iter_tensors``)."""
-    if isinstance(obj, torch.Tensor):
+    """The tensors inside nested lists, tuples and dicts, in order, as a list (the hot path's
+    ``iter_tensors``: a forward hook's ``(args, kwargs)`` at every FSDP module). Exact types are
+    tried before ``isinstance`` (a tensor's is ~3x slower, and a container is checked against it):
+    subclasses of each still count."""
+    if type(obj) is _Tensor:
         return [obj]
     out: list[torch.Tensor] = []
     stack = [obj]
     while stack:
         o = stack.pop()
-        if isinstance(o, torch.Tensor):
-            out.append(o)
+        cls = type(o)
+        if cls is tuple or cls is list:
+            stack.extend(reversed(o))  # type: ignore[call-overload]
+        elif cls is dict:
+            if o:
+                stack.extend(reversed(list(o.values())))  # type: ignore[attr-defined]
+        elif cls is _Tensor or isinstance(o, _Tensor):
+            out.append(o)  # type: ignore[arg-type]
         elif isinstance(o, (list, tuple)):
             stack.extend(reversed(o))
         elif isinstance(o, dict):

@@ -85,6 +85,7 @@ from fsdp_mem_otel.training.compile_support import dynamo_safe
 from fsdp_mem_otel.training.ledger import INDEX
 
 _T = TypeVar("_T")
+_FORWARD = TrainingState.FORWARD
 
 
 def param_groups(module: nn.Module) -> list[Any]:
@@ -406,7 +407,7 @@ class _Accounts:
         deferred = False
         if light.all_gather_seen:
             mirror = self._mirror
-            deferred = mirror.waited(light.group._training_state == TrainingState.FORWARD,
+            deferred = mirror.waited(light.group._training_state is _FORWARD,
                                      mirror.deferred is not None, light.dev, light.pending_all_gather(), None)
         light.after_wait(deferred, None)
 

@@ -53,7 +53,7 @@ from fsdp_mem_otel.training.ledger import INDEX, device_block, rounded, storages
 _AG, _UP, _UG, _SG = INDEX[ALL_GATHER], INDEX[UNSHARDED_PARAM], INDEX[UNSHARDED_GRAD], INDEX[SHARDED_GRAD]
 #: training states in which a group's post-backward finds gradients (its pre-backward ran, or a
 #: grouped module's partial forward); IDLE: FSDP's final callback calls it for a group not used
-_GRADS_COMING = frozenset({TrainingState.PRE_BACKWARD, TrainingState.FORWARD})
+_PRE_BACKWARD, _FORWARD = TrainingState.PRE_BACKWARD, TrainingState.FORWARD  # identity: an Enum hashes in Python
 
 
 def _distinct_bytes(tensors: Any) -> tuple[int, str]:
@@ -134,7 +134,7 @@ class CommMirror:
 
     def before_wait(self, group: Any, per_tensor: bool) -> WaitToken:
         result = group._all_gather_result
-        return WaitToken(result is not None, group._training_state == TrainingState.FORWARD,
+        return WaitToken(result is not None, group._training_state is _FORWARD,
                          self.comm.all_gather_state is not None,
                          weakref.ref(result.all_gather_output.untyped_storage())
                          if per_tensor and result is not None else None)
@@ -352,7 +352,8 @@ class LightGroup:
             sink.add(self.dev, _UP, self._post_forward)
 
     def before_post_backward(self) -> None:
-        if self.group._training_state not in _GRADS_COMING:
+        state = self.group._training_state
+        if state is not _PRE_BACKWARD and state is not _FORWARD:
             return  # not used in this backward: no gradients (FSDP's call from its final callback)
         if self._grads_full is None:
             self._grads_full, _ = _distinct_bytes(
