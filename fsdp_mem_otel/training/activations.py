@@ -39,6 +39,7 @@ from fsdp_mem_otel.schema import ACTIVATION
 from fsdp_mem_otel.training.ledger import INDEX, Ledger
 
 _STRIDED = torch.strided
+_Parameter = torch.nn.Parameter
 _ACTIVATION = INDEX[ACTIVATION]
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
@@ -108,7 +109,8 @@ class SavedTensorAccounting:
 
     def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int] | torch.Tensor:
         try:
-            if type(t) is torch.Tensor and t.layout is _STRIDED:  # the common case, written out
+            cls = type(t)  # the common cases (an activation, an unsharded weight), written out
+            if (cls is torch.Tensor or cls is _Parameter) and t.layout is _STRIDED:
                 st = t.untyped_storage()
                 if id(st) not in self._entries:
                     owners = self._owners
