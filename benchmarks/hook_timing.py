@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 import fsdp_mem_otel.training.activations as activations
 import fsdp_mem_otel.training.adapters.fsdp2 as fsdp2
+import fsdp_mem_otel.training.adapters.fsdp2_groups as fsdp2_groups
 import fsdp_mem_otel.training.ledger as ledger
 import fsdp_mem_otel.training.optimizers as optimizers
 import fsdp_mem_otel.training.sink as sink
@@ -131,7 +132,11 @@ def instrument() -> None:
     sink.Sink.on_state = timed("on_state (forward hooks, group emits)", sink.Sink.on_state)  # type: ignore[method-assign]
     for name in ("after_unshard", "before_wait", "after_wait", "after_reshard", "before_post_backward",
                  "after_post_backward"):
-        setattr(fsdp2._Accounts, name, timed(f"FSDP2 {name}", getattr(fsdp2._Accounts, name)))
+        if hasattr(fsdp2._Accounts, name):  # older trees forwarded unshard and reshard through it
+            setattr(fsdp2._Accounts, name, timed(f"FSDP2 {name}", getattr(fsdp2._Accounts, name)))
+    for cls in (fsdp2_groups.LightGroup, fsdp2_groups.TensorGroup):  # what the group wrappers call directly
+        for name in ("after_unshard", "after_reshard"):
+            setattr(cls, name, timed(f"FSDP2 {name}", getattr(cls, name)))
     for name in ("_forward_begins", "_forward_ends"):
         setattr(fsdp2.FSDP2Adapter, name, timed(f"adapter {name}", getattr(fsdp2.FSDP2Adapter, name)))
     activations.SavedTensorAccounting._pack = timed(  # type: ignore[method-assign]
@@ -176,8 +181,11 @@ def stub_all() -> None:
         return None
 
     sink.Sink.on_state = on_state  # type: ignore[method-assign]
-    for name in ("after_unshard", "before_wait", "after_wait", "after_reshard", "after_post_backward"):
+    for name in ("before_wait", "after_wait", "after_post_backward"):
         setattr(fsdp2._Accounts, name, nothing)
+    for cls in (fsdp2_groups.LightGroup, fsdp2_groups.TensorGroup):
+        for name in ("after_unshard", "after_reshard"):
+            setattr(cls, name, nothing)
     fsdp2._Accounts.before_post_backward = lambda self: 0  # type: ignore[method-assign]
     for name in ("_forward_begins", "_forward_ends"):
         setattr(fsdp2.FSDP2Adapter, name, nothing)

@@ -168,13 +168,14 @@ class CommMirror:
         allocates it there; ``str(t.device)`` cost ~3 us a call in place); returns the appended
         bytes (counted here when ``counted``), None when it appended none."""
         states = _reduce_scatter_states(self.comm)
-        newest = self._newest_rs() if self._newest_rs is not None else None
-        appended = bool(states) and states[-1].reduce_scatter_input is not newest
-        for _ in range(min(count_before + int(appended) - len(states), len(self.rs))):
+        t = states[-1].reduce_scatter_input if states else None
+        appended = t is not None and (self._newest_rs is None or self._newest_rs() is not t)
+        released = count_before + appended - len(states)
+        while released > 0 and self.rs:
             self._release(self.rs.pop(0))
-        if not appended:
+            released -= 1
+        if not appended or t is None:
             return None
-        t = states[-1].reduce_scatter_input
         n = _storage_bytes(t)
         self._newest_rs = weakref.ref(t)
         self.rs.append(_Held(dev, category, n if counted else 0,
@@ -331,8 +332,12 @@ class LightGroup:
             self.all_gather_seen = False
         if self.group.is_unsharded:
             if not self._unsharded:
-                self._unsharded = self._unsharded_bytes()
-                sink.add(self.dev, _UP, self._unsharded)
+                full = self._full  # ``_unsharded_bytes`` unless the learnt outputs are still FSDP's
+                if full is None or self._first_output is None or not self.params[0].all_gather_outputs \
+                        or self.params[0].all_gather_outputs[0] is not self._first_output():
+                    full = self._unsharded_bytes()
+                self._unsharded = full
+                sink.add(self.dev, _UP, full)
             if self._post_forward:
                 sink.add(self.dev, _UP, -self._post_forward)
                 self._post_forward = 0
@@ -373,7 +378,10 @@ class LightGroup:
                 elif reduce_scatter_bytes != self._rs_full:
                     self.unfit = "a parameter without a gradient in a step, or with one"
             if not self._sharded_grads and self.params[0].sharded_param.grad is not None:
-                self._learn_sharded_grads()
+                if self._sharded_grads_full is None:
+                    self._learn_sharded_grads()
+                else:
+                    self._sharded_grads = self._sharded_grads_full[0]
                 sink.add(self._sg_dev, _SG, self._sharded_grads)
         elif self._grads and self.params[0].unsharded_accumulated_grad is not None:
             # mixed precision: FSDP keeps the gradients in the reduce dtype until it reduces
