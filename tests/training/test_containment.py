@@ -125,10 +125,11 @@ def disable_after_errors(opts_dict: dict[str, Any]) -> DisableResult:
     tracker = FSDPMemoryTracker(model, opt, config=TrackerConfig(max_errors=5))
     tracker.attach()
 
-    def broken(*_: object) -> None:
-        raise RuntimeError("always broken")
+    class BrokenCounters(dict):  # type: ignore[type-arg]
+        def get(self, *_: object) -> None:  # type: ignore[override]
+            raise RuntimeError("always broken")
 
-    tracker.ledger._apply = broken  # type: ignore[method-assign]  # every change the ledger replays
+    tracker.ledger._cur = BrokenCounters(tracker.ledger._cur)  # every change the ledger replays fails
     for step in range(3):
         train_step(model, opt, make_batch(step, BATCH, WIDTH, rank))
         tracker.step()
