@@ -46,8 +46,16 @@ class LeakWatch:
         for cats in current.values():
             for c in _KEYS:
                 totals[c] += cats.get(c, 0)
-        self._ends.append(totals)
-        growing = {c: slope for c in totals if (slope := self._growth(c)) > 0}
+        ends = self._ends
+        ends.append(totals)
+        growing: dict[str, float] = {}
+        if len(ends) >= 2 * self.min_steps:
+            first = ends[0]
+            for c, last in totals.items():
+                # Never falling and rising at least once means ending above the start: the common
+                # flat category is settled here, without a call.
+                if last > first[c] and (slope := self._growth(c)) > 0:
+                    growing[c] = slope
         holding = [kv for kv in held.items() if kv[1] > 0]  # at a healthy step's end: none
         holders = dict(sorted(holding, key=lambda kv: -kv[1])) if holding else {}
         if not growing and not holders:
@@ -58,8 +66,6 @@ class LeakWatch:
 
     def _growth(self, category: str) -> float:
         ends = self._ends
-        # Never falling and rising at least once means ending above the start: the common flat
-        # category is settled here, without walking the window.
         if len(ends) < 2 * self.min_steps or ends[-1][category] <= ends[0][category]:
             return 0.0
         ys = [e[category] for e in ends]

@@ -219,16 +219,21 @@ class StepRecorder:
         phase, closes, opens = _STEPS[state]
         self.context.phase = phase
         ledger, windows = self._target(), self.windows
+        keys, states, snaps, times = self._keys, self._states, self._snaps, self._times
         if windowed and closes is not None:
             if windows and windows[-1] == (key, closes):  # the usual nesting
                 windows.pop()
-                self._append(key, closes, ledger.close_window_raw(), t)
+                peak = ledger.close_window_raw()
+                keys.append(key)  # ``_append``, written out
+                states.append(closes)
+                snaps.append(peak)
+                times.append(t)
             else:
                 self._close_window(key, closes, t)
-        self._keys.append(key)  # ``_append``, written out
-        self._states.append(state)
-        self._snaps.append(ledger.snap())
-        self._times.append(t)
+        keys.append(key)
+        states.append(state)
+        snaps.append(() if ledger is self._totals else ledger.snap())  # a replay's: taken when read
+        times.append(t)
         if windowed and opens is not None:
             ledger.open_window()
             windows.append((key, opens))
