@@ -8,14 +8,18 @@ Run (2 ranks, gloo, CPU):
 Every function through which training enters the tracker is wrapped with a timer before attach:
 the sink's state events (``on_state``: the forward hooks and the group emits), the FSDP2 group
 events (named after the accounting method they run), the adapter's catching up at forward
-boundaries, the saved-tensor pack and unpack hooks, the ledger's free callbacks, the optimizer hooks and
-``step()``. Only the outermost entry is timed, so nested calls count once. The timers' own cost
-per call (a timed no-op, measured in each round) times the calls is subtracted: both figures are
-printed. Rounds interleave an untracked and a tracked run of the same
-steps on the same model; per round, the tracker's time per step is divided by that round's
-untracked step (training-thread CPU). Printed: per round and the median over rounds, and the
-last round's time and calls per entry point; ``--json PATH`` writes them. ``--nested`` also times
-the methods the entry points call (``NESTED_POINTS``), to see where an entry's time goes.
+boundaries, the saved-tensor pack and unpack hooks, the ledger's free callbacks, the optimizer
+hooks and ``step()``. Only the outermost entry is timed, so nested calls count once. What a timer
+adds to the time it records (what a timed no-op records, less the no-op's own call, measured in
+each round) times the calls is subtracted: both figures are printed. (Until 2026-11-27 the
+timers' whole cost per call was subtracted, their clock calls and bookkeeping outside the
+recorded span too: ~0.3 us a call too much, which put the in-place figure ~0.5-0.8 points low at
+16 blocks.) The timers read wall time, or with ``--clock cpu`` this thread's CPU time. Rounds
+interleave an untracked and a tracked run of the same steps on the same model; per round, the
+tracker's time per step is divided by that round's untracked step (training-thread CPU).
+Printed: per round and the median over rounds, and the last round's time and calls per entry
+point; ``--json PATH`` writes them. ``--nested`` also times the methods the entry points call
+(``NESTED_POINTS``), to see where an entry's time goes.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ import fsdp_mem_otel.training.tracker as tracker_module
 from fsdp_mem_otel.training.demo import WrapOptions, build, init_distributed, make_batch, train_step
 
 TIMES: collections.Counter[str] = collections.Counter()
+#: the entry timers' clock: wall time (``--clock wall``) or this thread's CPU time (``--clock cpu``)
+CLOCK = [time.perf_counter]
 CALLS: collections.Counter[str] = collections.Counter()
 _depth = [0]
 
@@ -57,11 +63,12 @@ def timed(name: str, fn: Callable[..., Any], times: collections.Counter[str] = T
         if outermost and _depth[0]:
             return fn(*args, **kwargs)
         _depth[0] += depth
-        t0 = time.perf_counter()
+        clock = CLOCK[0]
+        t0 = clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            times[name] += time.perf_counter() - t0
+            times[name] += clock() - t0
             calls[name] += 1
             _depth[0] -= depth
 
@@ -106,23 +113,24 @@ def instrument_nested() -> None:
 
 
 def timer_cost(n: int = 20000) -> float:
-    """Seconds one timed call adds: a timed no-op against the bare one."""
+    """Seconds a timer adds to what it records: the time a timed no-op records, less the no-op's
+    own call (which a real entry point makes too). Its own clock calls outside the recorded span
+    are not subtracted (they are not in the figures)."""
 
     def noop() -> None:
         return None
 
     wrapped = timed("calibration", noop)
-    t0 = time.perf_counter()
+    clock = CLOCK[0]
+    t0 = clock()
     for _ in range(n):
         noop()
-    bare = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    bare = (clock() - t0) / n
     for _ in range(n):
         wrapped()
-    cost = (time.perf_counter() - t0 - bare) / n
-    TIMES.pop("calibration", None)
+    recorded = TIMES.pop("calibration", 0.0) / n
     CALLS.pop("calibration", None)
-    return max(cost, 0.0)
+    return max(recorded - bare, 0.0)
 
 
 def instrument() -> None:
@@ -234,7 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gc", choices=("on", "off", "freeze"), default="on",
                    help="diagnostic: Python's cyclic garbage collector as usual (on), disabled for the whole run "
                         "(off), or with everything built before the timed rounds frozen out of it (freeze)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="what the entry timers read: wall time (default; time the thread spent descheduled inside "
+                        "an entry counts too) or this thread's CPU time, as the untracked step is measured")
     args = p.parse_args(argv)
+    if args.clock == "cpu":
+        CLOCK[0] = time.thread_time
     if args.stub_activation_entries:
         stub_activation_entries()
     if args.stub_on_state:
@@ -309,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"blocks": args.blocks, "width": args.width, "batch": args.batch,
+                           "clock": args.clock, "timer_cost_us": cost * 1e6,
                            "shares": shares, "median": statistics.median(shares),
                            "shares_with_timers": raw_shares,
                            "entry_points": {n: {"us_per_step": t / args.steps * 1e6,
