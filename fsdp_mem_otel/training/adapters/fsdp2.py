@@ -57,6 +57,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
+from operator import methodcaller
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -86,6 +87,7 @@ from fsdp_mem_otel.training.ledger import INDEX
 
 _T = TypeVar("_T")
 _FORWARD = TrainingState.FORWARD
+_AFTER_UNSHARD, _AFTER_RESHARD = methodcaller("after_unshard"), methodcaller("after_reshard")
 
 
 def param_groups(module: nn.Module) -> list[Any]:
@@ -294,29 +296,12 @@ class FSDP2Adapter:
             _guarded(sink, lambda: acct.after_tensors_wait(before))
             return out
 
-        def unshard(*args: Any, **kwargs: Any) -> Any:
-            out = orig_unshard(*args, **kwargs)
-            try:
-                acct.current.after_unshard()
-            except Exception as exc:  # noqa: BLE001
-                sink.report_error(exc)
-            return out
-
-        def reshard(*args: Any, **kwargs: Any) -> Any:
-            out = orig_reshard(*args, **kwargs)
-            try:
-                acct.current.after_reshard()
-            except Exception as exc:  # noqa: BLE001
-                sink.report_error(exc)
-            return out
-
-        orig_unshard, orig_reshard = group.unshard, group.reshard
         pre_backward = _around(sink, orig_pre_backward, on_state(BEFORE_PRE_BACKWARD), on_state(AFTER_PRE_BACKWARD))
         self._patch(group, "pre_backward", dynamo_safe(_unless_in_pre_backward(group, pre_backward, orig_pre_backward)))
         self._patch(group, "post_backward", dynamo_safe(post_backward))
-        self._patch(group, "unshard", dynamo_safe(unshard))
+        self._patch(group, "unshard", dynamo_safe(_then(sink, group.unshard, acct, _AFTER_UNSHARD)))
         self._patch(group, "wait_for_unshard", dynamo_safe(wait_for_unshard))
-        self._patch(group, "reshard", dynamo_safe(reshard))
+        self._patch(group, "reshard", dynamo_safe(_then(sink, group.reshard, acct, _AFTER_RESHARD)))
 
     # -- light mode's integer accounts --------------------------------------------------------
     def _mirror_of(self, comm: Any) -> CommMirror:
@@ -497,6 +482,22 @@ def _around(
                 after()
             except Exception as exc:  # noqa: BLE001
                 sink.report_error(exc)
+        return out
+
+    return wrapper
+
+
+def _then(sink: EventSink, orig: Callable[..., Any], acct: _Accounts,
+          event: Callable[[Any], None]) -> Callable[..., Any]:
+    """``orig``, then ``event`` on the group's current accounts (``_AFTER_*``: a C-level
+    ``methodcaller``, no frame of ours); tracker failures never reach FSDP."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        out = orig(*args, **kwargs)
+        try:
+            event(acct.current)
+        except Exception as exc:  # noqa: BLE001 - the tracker must never break training
+            sink.report_error(exc)
         return out
 
     return wrapper
