@@ -16,8 +16,9 @@ timers' whole cost per call was subtracted, their clock calls and bookkeeping ou
 recorded span too: ~0.3 us a call too much, which put the in-place figure ~0.5-0.8 points low at
 16 blocks.) The timers read wall time, or with ``--clock cpu`` this thread's CPU time. Rounds
 interleave an untracked and a tracked run of the same steps on the same model; per round, the
-tracker's time per step is divided by that round's untracked step (training-thread CPU).
-Printed: per round and the median over rounds, and the last round's time and calls per entry
+tracker's time per step is divided by that round's untracked step (training-thread CPU); the
+tracked step's CPU, less what the timers add to it, is divided by it too ("tracked step": what
+tracking costs the step, the entry points' callers included). Printed: per round and the median over rounds, and the last round's time and calls per entry
 point; ``--json PATH`` writes them. ``--nested`` also times the methods the entry points call
 (``NESTED_POINTS``), to see where an entry's time goes.
 """
@@ -112,10 +113,10 @@ def instrument_nested() -> None:
     StepRecorder.modules = property(nested("StepRecorder.modules", StepRecorder.modules.fget))  # type: ignore[assignment,method-assign,arg-type]
 
 
-def timer_cost(n: int = 20000) -> float:
-    """Seconds a timer adds to what it records: the time a timed no-op records, less the no-op's
-    own call (which a real entry point makes too). Its own clock calls outside the recorded span
-    are not subtracted (they are not in the figures)."""
+def timer_cost(n: int = 20000) -> tuple[float, float]:
+    """Seconds a timer adds per call: to the time it records (what a timed no-op records, less the
+    no-op's own call, which a real entry point makes too), and to the whole call (both clock reads,
+    the wrapper and its bookkeeping: what the timers add to a tracked step)."""
 
     def noop() -> None:
         return None
@@ -126,11 +127,13 @@ def timer_cost(n: int = 20000) -> float:
     for _ in range(n):
         noop()
     bare = (clock() - t0) / n
+    t0 = clock()
     for _ in range(n):
         wrapped()
+    whole = (clock() - t0) / n - bare
     recorded = TIMES.pop("calibration", 0.0) / n
     CALLS.pop("calibration", None)
-    return max(recorded - bare, 0.0)
+    return max(recorded - bare, 0.0), max(whole, 0.0)
 
 
 def instrument() -> None:
@@ -287,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.freeze()
     shares: list[float] = []
     raw_shares: list[float] = []
+    step_ratios: list[float] = []
     for _ in range(args.rounds):
         base = run(None)
         tracker = tracker_module.FSDPMemoryTracker(model, opt)
@@ -296,20 +300,26 @@ def main(argv: list[str] | None = None) -> int:
             CALLS.clear()
             NESTED.clear()
             NESTED_CALLS.clear()
-            run(tracker)
-        cost = timer_cost()
+            tracked = run(tracker)
+        cost, whole_cost = timer_cost()
+        calls = sum(CALLS.values()) / args.steps
         raw = sum(TIMES.values()) / args.steps
-        per_step = raw - cost * sum(CALLS.values()) / args.steps
+        per_step = raw - cost * calls
         raw_shares.append(raw / base)
         shares.append(per_step / base)
+        # the tracked step beside the untracked one, less what the timers add to it: everything
+        # tracking costs the step, the entry points' callers (hook dispatch, wrappers) included
+        step_ratios.append((tracked - whole_cost * calls) / base)
         if rank == 0:
             print(f"{label} round {len(shares)}: untracked step {base * 1e3:.2f} ms CPU; "
                   f"tracker in place {per_step * 1e3:.3f} ms/step = {per_step / base:.2%} "
-                  f"(timers included {raw / base:.2%}, {cost * 1e6:.2f} us per timed call)", flush=True)
+                  f"(timers included {raw / base:.2%}, {cost * 1e6:.2f} us per timed call); "
+                  f"tracked step {step_ratios[-1]:.3f}x (timers' {whole_cost * 1e6:.2f} us a call taken out)",
+                  flush=True)
     if rank == 0:
         print(f"{label}: median over {args.rounds} rounds {statistics.median(shares):.2%} "
               f"(min {min(shares):.2%}, max {max(shares):.2%}; timers included {statistics.median(raw_shares):.2%}); "
-              "last round per entry point (timers included):")
+              f"tracked step {statistics.median(step_ratios):.3f}x; last round per entry point (timers included):")
         print(f"{'entry point':<40} {'us/step':>9} {'calls/step':>11} {'share':>7}")
         for name, t in TIMES.most_common():
             print(f"{name:<40} {t / args.steps * 1e6:9.1f} {CALLS[name] / args.steps:11.1f} "
@@ -323,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump({"blocks": args.blocks, "width": args.width, "batch": args.batch,
                            "clock": args.clock, "timer_cost_us": cost * 1e6,
-                           "shares": shares, "median": statistics.median(shares),
+                           "shares": shares, "median": statistics.median(shares), "step_ratios": step_ratios,
                            "shares_with_timers": raw_shares,
                            "entry_points": {n: {"us_per_step": t / args.steps * 1e6,
                                                 "calls_per_step": CALLS[n] / args.steps}
