@@ -181,7 +181,8 @@ class Counters:
                 at = i
                 try:
                     if head.__class__ is str:  # a change: ``_apply``, written out (~400 a step)
-                        delta = pending[i + 2]
+                        cat, delta = pending[i + 1], pending[i + 2]
+                        i += 3  # first: a change that fails is skipped alone
                         cats = cur.get(head)
                         if cats is None:
                             cats = cur[head] = [0] * _N
@@ -190,9 +191,8 @@ class Counters:
                                 step.settle(cur, head)
                             if windows and head in windows[-1].live:
                                 windows[-1].settle(cur, head)
-                        cats[pending[i + 1]] += delta
+                        cats[cat] += delta
                         total = cats[_T] = cats[_T] + delta
-                        i += 3
                         if delta > 0 and offer:
                             if total > step.peak.get(head, -1):
                                 step.peak[head] = total

@@ -215,6 +215,23 @@ def test_a_failing_event_is_raised_after_the_others_replay() -> None:
     assert ledger.pending == []
 
 
+def test_a_failing_change_is_skipped_alone() -> None:
+    ledger = Ledger()
+    ledger.defer(True)
+    errors: list[BaseException] = []
+    ledger.on_replay_error = errors.append
+    recorder = StepRecorder(ledger)
+    ledger._add("cpu", INDEX[TEMP], 100)
+    ledger._add("cpu", len(INDEX) + 5, 7)  # no such category: this change fails
+    ledger._add("cpu", INDEX[TEMP], 20)
+    ledger.queue(recorder.on_state, "m", BEFORE_PRE_FORWARD)  # an event after it still replays
+    assert ledger.pending is not None and len(ledger.pending) == 13  # changes of 3 items, an event of 4
+    ledger.flush()
+    assert len(errors) == 1 and isinstance(errors[0], IndexError)
+    assert ledger.current["cpu"]["total"] == 120
+    assert recorder.logged == [("m", BEFORE_PRE_FORWARD)] and ledger.pending == []
+
+
 def test_a_malformed_log_fails_once_and_is_dropped() -> None:
     ledger = Ledger()
     ledger.defer(True)
