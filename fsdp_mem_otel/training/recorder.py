@@ -230,9 +230,10 @@ class StepRecorder:
                 times.append(t)
             else:
                 self._close_window(key, closes, t)
-        keys.append(key)
+        snap = () if ledger is self._totals else ledger.snap()  # a replay's: taken when read
+        keys.append(key)  # after the snapshot: one that raises leaves the four lists in step
         states.append(state)
-        snaps.append(() if ledger is self._totals else ledger.snap())  # a replay's: taken when read
+        snaps.append(snap)
         times.append(t)
         if windowed and opens is not None:
             ledger.open_window()

@@ -265,3 +265,26 @@ def test_the_steps_snapshots_leave_the_collector_nothing_to_promote() -> None:
     last = mod.snapshots[AFTER_POST_BACKWARD][0]
     assert last["cpu"][ACTIVATION] == 100 * 8 * 40 and last["cuda:0"][TEMP] == 512
     assert mod.times[AFTER_POST_BACKWARD] and mod.peak_totals == (max(512, 100 * 4), 100 * 8 * 40)  # per device
+
+
+def test_a_snapshot_that_raises_leaves_the_log_in_step() -> None:
+    ledger = Ledger()
+    rec = StepRecorder(ledger)
+    real_snap, calls = ledger.snap, [0]
+
+    def snap_failing_once() -> tuple[object, ...]:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("boom")
+        return real_snap()
+
+    ledger.snap = snap_failing_once  # type: ignore[method-assign]
+    rec.on_state("m", BEFORE_PRE_FORWARD)
+    try:
+        rec.on_state("m", AFTER_PRE_FORWARD)
+    except RuntimeError:
+        pass
+    rec.on_state("m", BEFORE_POST_FORWARD)
+    # the failed state is left out whole; the others keep their own snapshots and times
+    assert rec.logged == [("m", BEFORE_PRE_FORWARD), ("m", BEFORE_POST_FORWARD)]
+    assert [s for s, t in rec.modules["m"].times.items() if t] == [BEFORE_PRE_FORWARD, BEFORE_POST_FORWARD]
