@@ -239,7 +239,8 @@ class Counters:
             self._apply(device, cat, delta)
 
     def _apply(self, device: str, cat: int, delta: int) -> None:
-        # Every update (or its replay): written out, no helper calls unless a window is live.
+        # Every immediate update: written out, no helper calls unless a window is live. ``flush``
+        # has the same lines inline for the ~400 replayed a step: change both together.
         cats = self._cur.get(device)
         if cats is None:
             cats = self._cur[device] = [0] * _N

@@ -174,7 +174,7 @@ class CommMirror:
         while released > 0 and self.rs:
             self._release(self.rs.pop(0))
             released -= 1
-        if not appended or t is None:
+        if t is None or not appended:
             return None
         n = _storage_bytes(t)
         self._newest_rs = weakref.ref(t)
@@ -332,12 +332,8 @@ class LightGroup:
             self.all_gather_seen = False
         if self.group.is_unsharded:
             if not self._unsharded:
-                full = self._full  # ``_unsharded_bytes`` unless the learnt outputs are still FSDP's
-                if full is None or self._first_output is None or not self.params[0].all_gather_outputs \
-                        or self.params[0].all_gather_outputs[0] is not self._first_output():
-                    full = self._unsharded_bytes()
-                self._unsharded = full
-                sink.add(self.dev, _UP, full)
+                self._unsharded = self._unsharded_bytes()
+                sink.add(self.dev, _UP, self._unsharded)
             if self._post_forward:
                 sink.add(self.dev, _UP, -self._post_forward)
                 self._post_forward = 0
@@ -378,10 +374,7 @@ class LightGroup:
                 elif reduce_scatter_bytes != self._rs_full:
                     self.unfit = "a parameter without a gradient in a step, or with one"
             if not self._sharded_grads and self.params[0].sharded_param.grad is not None:
-                if self._sharded_grads_full is None:
-                    self._learn_sharded_grads()
-                else:
-                    self._sharded_grads = self._sharded_grads_full[0]
+                self._learn_sharded_grads()
                 sink.add(self._sg_dev, _SG, self._sharded_grads)
         elif self._grads and self.params[0].unsharded_accumulated_grad is not None:
             # mixed precision: FSDP keeps the gradients in the reduce dtype until it reduces
