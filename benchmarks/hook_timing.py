@@ -177,12 +177,13 @@ def stub_on_state() -> None:
     sink.Sink.on_state = on_state  # type: ignore[method-assign]
 
 
-def stub_all() -> None:
+def stub_all() -> Callable[[], None]:
     """Diagnostic (``--stub-all``): every entry point returns at once, with the same calls per
     step: on_state logs the event and pushes and pops the saved-tensor hooks (so the pack hook
     is still called), the pack hook returns the detached alias, the group and optimizer events do
     nothing; no entry is made, so no free callback runs. What is left is the floor of a design
-    with these entry points: being called, in place. Reports of such a run are not valid."""
+    with these entry points: being called, in place. Reports of such a run are not valid.
+    Returns the function that puts the real entry points back (``step_floor.py`` interleaves)."""
     from fsdp_mem_otel.schema import AFTER_POST_FORWARD, BEFORE_PRE_FORWARD
 
     def on_state(self: sink.Sink, key: str, state: str, tensors: object = None, windowed: bool = True) -> None:
@@ -197,18 +198,23 @@ def stub_all() -> None:
     def nothing(*_: Any, **__: Any) -> None:
         return None
 
-    sink.Sink.on_state = on_state  # type: ignore[method-assign]
-    for name in ("before_wait", "after_wait", "after_post_backward"):
-        setattr(fsdp2._Accounts, name, nothing)
-    for cls in (fsdp2_groups.LightGroup, fsdp2_groups.TensorGroup):
-        for name in ("after_unshard", "after_reshard"):
-            setattr(cls, name, nothing)
-    fsdp2._Accounts.before_post_backward = lambda self: 0  # type: ignore[method-assign]
-    for name in ("_forward_begins", "_forward_ends"):
-        setattr(fsdp2.FSDP2Adapter, name, nothing)
-    activations.SavedTensorAccounting._pack = lambda self, t: t.detach()  # type: ignore[method-assign]
-    for name in ("_on_pre", "_on_post"):
-        setattr(optimizers.OptimizerWatch, name, nothing)
+    stubs: list[tuple[Any, str, Any]] = [(sink.Sink, "on_state", on_state)]
+    stubs += [(fsdp2._Accounts, name, nothing) for name in ("before_wait", "after_wait", "after_post_backward")]
+    stubs += [(cls, name, nothing) for cls in (fsdp2_groups.LightGroup, fsdp2_groups.TensorGroup)
+              for name in ("after_unshard", "after_reshard")]
+    stubs.append((fsdp2._Accounts, "before_post_backward", lambda self: 0))
+    stubs += [(fsdp2.FSDP2Adapter, name, nothing) for name in ("_forward_begins", "_forward_ends")]
+    stubs.append((activations.SavedTensorAccounting, "_pack", lambda self, t: t.detach()))
+    stubs += [(optimizers.OptimizerWatch, name, nothing) for name in ("_on_pre", "_on_post")]
+    originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in stubs]
+    for owner, name, stub in stubs:
+        setattr(owner, name, stub)
+
+    def restore() -> None:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+    return restore
 
 
 def stub_activation_entries() -> None:

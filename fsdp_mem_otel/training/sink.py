@@ -84,6 +84,8 @@ class Sink:
         self._recompute_depth = 0  # nesting of FSDP forwards recomputed in backward
         self._on_state_seconds = 0.0
         self._record_state = recorder.on_state
+        #: (module key, output tensor) walked at before_post_forward, until its after_post_forward
+        self._outputs: tuple[str, torch.Tensor] | None = None
         ledger.on_replay_error = on_error  # a deferred event that fails counts like one at once
 
     def end_step(self) -> None:
@@ -96,6 +98,7 @@ class Sink:
         self.activations.pop()
         self._recompute_activations.pop()
         self._forward_depth = self._recompute_depth = 0
+        self._outputs = None
         self.modules.clear()
         self._on_state_seconds = self.ledger.replay_seconds = 0.0
 
@@ -120,9 +123,7 @@ class Sink:
                     self.modules.append(key)
                 elif tensors is not None:
                     if not self.deep and self._activations_on:
-                        track_new = self.ledger.track_new
-                        for t in tensors_in(tensors):
-                            track_new(t, ACTIVATION, key)
+                        self._track_io(key, state, tensors)
                 elif state in _POST_FORWARD:
                     self._note_raising_forward()
             if self.deep and state == AFTER_POST_BACKWARD:
@@ -137,12 +138,27 @@ class Sink:
             if self._sample is not None and state in _SAMPLED:
                 self._sample()
             if state == AFTER_POST_FORWARD and not in_backward:
+                self._outputs = None  # also after a forward that raised (no outputs to walk)
                 if self.modules and self.modules[-1] == key:
                     self.modules.pop()
                 self._forward_ends()
         except Exception as exc:  # noqa: BLE001
             self.report_error(exc)
         self._on_state_seconds += time.perf_counter() - t0
+
+    def _track_io(self, key: str, state: str, tensors: object) -> None:
+        # A module's inputs or outputs, as activations. An output tensor that before_post_forward
+        # walked comes back to after_post_forward as itself unless FSDP's post-forward replaced it
+        # (a cast to the output dtype): walked once. (Containers are walked again: a hook may have
+        # refilled one.) Held only between the two states.
+        seen, self._outputs = self._outputs, None
+        if state == AFTER_POST_FORWARD and seen is not None and seen[1] is tensors and seen[0] == key:
+            return
+        if state == BEFORE_POST_FORWARD and type(tensors) is torch.Tensor:
+            self._outputs = (key, tensors)
+        track_new = self.ledger.track_new
+        for t in tensors_in(tensors):
+            track_new(t, ACTIVATION, key)
 
     @property
     def overhead(self) -> float:

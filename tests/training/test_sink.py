@@ -186,3 +186,34 @@ def test_tensors_in_finds_every_tensor_in_order_through_containers_and_subclasse
     assert [id(t) for t in tensors_in(inputs)] == [id(t) for t in (a, b, c, p, d)]
     assert tensors_in(a)[0] is a and tensors_in(p)[0] is p
     assert tensors_in(((), {})) == [] and tensors_in(None) == [] and tensors_in("text") == []
+
+
+def test_an_output_is_walked_once_unless_post_forward_replaces_it() -> None:
+    import weakref
+
+    sink, ledger, errors = _sink()
+    walked: list[int] = []  # ids: the spy must hold no tensor
+    track_new = ledger.track_new
+    ledger.track_new = lambda t, *a: (walked.append(id(t)), track_new(t, *a))  # type: ignore[method-assign]
+    x = torch.randn(4, 8)
+    out = torch.randn(4, 8)
+    sink.on_state("<root>", BEFORE_PRE_FORWARD)
+    sink.on_state("<root>", BEFORE_POST_FORWARD, out)
+    sink.on_state("<root>", AFTER_POST_FORWARD, out)  # FSDP's post-forward handed it back as it was
+    assert walked == [id(out)]
+    assert not errors
+    # a post-forward that casts: the new output is an activation too
+    sink.on_state("blocks.0", BEFORE_PRE_FORWARD)
+    sink.on_state("blocks.0", BEFORE_POST_FORWARD, x)
+    cast = x.double()
+    sink.on_state("blocks.0", AFTER_POST_FORWARD, cast)
+    assert walked == [id(out), id(x), id(cast)]
+    assert ledger.current["cpu"][ACTIVATION] == (out.numel() + x.numel()) * 4 + cast.numel() * 8
+    # the sink lets go of the output at after_post_forward, also when the forward raised
+    gone = torch.randn(3)
+    ref = weakref.ref(gone)
+    sink.on_state("blocks.1", BEFORE_PRE_FORWARD)
+    sink.on_state("blocks.1", BEFORE_POST_FORWARD, gone)
+    sink.on_state("blocks.1", AFTER_POST_FORWARD)  # no outputs: the forward raised
+    del gone
+    assert ref() is None

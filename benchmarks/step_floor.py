@@ -1,0 +1,122 @@
+"""The tracked step against the untracked one with no timer anywhere, and the floor of its entry points.
+
+Run (one process is the quiet case; any number of ranks works):
+
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 1 benchmarks/step_floor.py [--blocks 16] [--steps 30] [--rounds 9]
+
+``hook_timing.py`` times each entry point in place; its timers cost about as much as small
+entries, and its "tracked step" takes an estimate of them out. Here nothing is timed but whole
+steps (training-thread CPU, median per run), and each round measures every variant between two
+untracked runs of the same steps, in alternating order; a variant's ratio is its step over the
+mean of the round's two untracked ones, and the median over rounds is printed. Variants:
+
+- ``light``: the tracker as shipped (light mode, activations on);
+- ``light-noact``: the same with ``TrackerConfig(activations=False)``;
+- ``installed``: every hook and wrapper installed, every entry point returning at once (the
+  ``--stub-all`` of ``hook_timing.py``: step() and track_inputs as they are, the saved-tensor
+  hooks pushed, packing a detached alias): what merely having today's entry points costs;
+- ``installed-noact``: the same without saved-tensor hooks.
+
+Reports of the ``installed`` variants are not valid. ``--json PATH`` writes the figures (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from fsdp_mem_otel.config import TrackerConfig
+from fsdp_mem_otel.training.demo import WrapOptions, build, init_distributed, make_batch, train_step
+from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import hook_timing  # noqa: E402 - the stubs live beside it (benchmarks/ is no package)
+
+VARIANTS = ("light", "light-noact", "installed", "installed-noact")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--blocks", type=int, default=16)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=30, help="timed steps per run (default 30)")
+    p.add_argument("--rounds", type=int, default=9, help="rounds (default 9)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, from {', '.join(VARIANTS)} (default: all)")
+    p.add_argument("--json", default=None, help="also write the figures to this JSON file (rank 0)")
+    args = p.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        p.error(f"--variants: unknown {', '.join(unknown) or '(none given)'}; accepted: {', '.join(VARIANTS)}")
+    for name in ("blocks", "width", "batch", "steps", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name}: must be at least 1, got {getattr(args, name)}")
+    rank, _ = init_distributed()
+    model, opt = build(args.blocks, args.width, WrapOptions(fsdp=2))
+    xs = [make_batch(i, args.batch, args.width, rank) for i in range(args.steps)]
+
+    def run(tracker: Any) -> float:
+        cpu = []
+        for x in xs:
+            dist.barrier()
+            c0 = time.thread_time()
+            if tracker is not None:
+                tracker.track_inputs(x)
+            train_step(model, opt, x)
+            if tracker is not None:
+                tracker.step()
+            cpu.append(time.thread_time() - c0)
+        return statistics.median(cpu)
+
+    def tracked(variant: str) -> float:
+        restore: Callable[[], None] | None = hook_timing.stub_all() if variant.startswith("installed") else None
+        try:
+            config = TrackerConfig(activations=not variant.endswith("-noact"))
+            with FSDPMemoryTracker(model, opt, config=config) as tracker:
+                run(tracker)  # warm-up: first entries, learnt sizes
+                return run(tracker)
+        finally:
+            if restore is not None:
+                restore()
+
+    run(None)  # warm-up: optimizer state, allocator
+    ratios: dict[str, list[float]] = {v: [] for v in variants}
+    bases: list[float] = []
+    for r in range(args.rounds):
+        before = run(None)
+        steps = {v: tracked(v) for v in (variants if r % 2 == 0 else variants[::-1])}
+        base = (before + run(None)) / 2
+        bases.append(base)
+        for v, t in steps.items():
+            ratios[v].append(t / base)
+        if rank == 0:
+            print(f"round {r + 1}: untracked {base * 1e3:.2f} ms CPU; "
+                  + ", ".join(f"{v} {ratios[v][-1]:.3f}x" for v in variants), flush=True)
+    label = f"{args.blocks} blocks x {args.width} wide, batch {args.batch}, {dist.get_world_size()} rank(s)"
+    if rank == 0:
+        print(f"{label}: untracked step {statistics.median(bases) * 1e3:.2f} ms CPU (median); "
+              f"tracked over untracked, median of {args.rounds} rounds:")
+        for v in variants:
+            rs = ratios[v]
+            print(f"  {v:<16} {statistics.median(rs):.3f}x  (min {min(rs):.3f}x, max {max(rs):.3f}x)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"blocks": args.blocks, "width": args.width, "batch": args.batch,
+                           "world_size": dist.get_world_size(), "steps": args.steps,
+                           "untracked_ms": [b * 1e3 for b in bases], "ratios": ratios,
+                           "median": {v: statistics.median(rs) for v, rs in ratios.items()}}, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
