@@ -65,17 +65,25 @@ class LeakWatch:
                           steps=len(self._ends))
 
     def _growth(self, category: str) -> float:
+        # One pass (a leaking job calls this every step, for each growing category): never
+        # falling, rising at least ``min_steps`` times and at half the steps or more; the slope is
+        # the least-squares one, in closed form for x = 0..n-1.
         ends = self._ends
-        if len(ends) < 2 * self.min_steps or ends[-1][category] <= ends[0][category]:
+        n = len(ends)
+        if n < 2 * self.min_steps or ends[-1][category] <= ends[0][category]:
             return 0.0
-        ys = [e[category] for e in ends]
-        steps = list(zip(ys, ys[1:], strict=False))
-        rises = sum(b > a for a, b in steps)
-        if (len(ys) < 2 * self.min_steps or rises < max(self.min_steps, len(steps) // 2)
-                or any(b < a for a, b in steps)):
+        prev = ends[0][category]
+        rises = sum_y = sum_xy = 0
+        x = 0
+        for e in ends:
+            y = e[category]
+            if y < prev:
+                return 0.0
+            rises += y > prev
+            sum_y += y
+            sum_xy += x * y
+            prev = y
+            x += 1
+        if rises < max(self.min_steps, (n - 1) // 2):
             return 0.0
-        n = len(ys)
-        mean_x, mean_y = (n - 1) / 2, sum(ys) / n
-        num = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(ys))
-        den = sum((x - mean_x) ** 2 for x in range(n))
-        return num / den
+        return (sum_xy - (n - 1) / 2 * sum_y) / (n * (n * n - 1) / 12)
