@@ -327,29 +327,30 @@ class StepRecorder:
         light step's window totals); it builds its dicts when first read (a light step's from the
         snapshots its ``StepReplay`` takes then)."""
         self.ledger.flush()
+        states, snaps = self._states, self._snaps
         at: dict[str, list[int]] = {}
-        for i, key in enumerate(self._keys):
+        peaks: dict[str, list[int | None]] = {}  # key -> [forward, backward] peak totals
+        for i, key in enumerate(self._keys):  # one pass: the step's log is ~10 entries per module
             where = at.get(key)
             if where is None:
                 at[key] = [i]
             else:
                 where.append(i)
-        states, snaps = self._states, self._snaps
+            state = states[i]
+            if state == PEAK_FORWARD or state == PEAK_BACKWARD:
+                snap = snaps[i]  # a light step's: the window's total; else, nearly always one device
+                total = snap if snap.__class__ is int else snap[1][_TOTAL] if len(snap) == 2 \
+                    else largest_total([snap])
+                both = peaks.get(key)
+                if both is None:
+                    both = peaks[key] = [None, None]
+                side = 0 if state == PEAK_FORWARD else 1
+                both[side] = max(both[side] or 0, total)
         replay = self._replay
         log = (states, replay.snaps if replay is not None else snaps, self._times)  # a light step's: when read
         out: dict[str, ModuleReport] = {}
         for key, where in at.items():
-            fwd = bwd = None
-            for i in where:
-                state = states[i]
-                if state == PEAK_FORWARD or state == PEAK_BACKWARD:
-                    snap = snaps[i]  # a light step's: the window's total; else, nearly always one device
-                    total = snap if snap.__class__ is int else snap[1][_TOTAL] if len(snap) == 2 \
-                        else largest_total([snap])
-                    if state == PEAK_FORWARD:
-                        fwd = max(fwd or 0, total)
-                    else:
-                        bwd = max(bwd or 0, total)
+            fwd, bwd = peaks.get(key) or (None, None)
             out[key] = CountedModuleReport(None, None, (fwd, bwd), log, tuple(where))
         return out
 
