@@ -86,4 +86,4 @@ class LeakWatch:
             x += 1
         if rises < max(self.min_steps, (n - 1) // 2):
             return 0.0
-        return (sum_xy - (n - 1) / 2 * sum_y) / (n * (n * n - 1) / 12)
+        return (2 * sum_xy - (n - 1) * sum_y) / (n * (n * n - 1) / 6)  # an exact integer numerator

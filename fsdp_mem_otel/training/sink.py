@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -85,7 +86,7 @@ class Sink:
         self._on_state_seconds = 0.0
         self._record_state = recorder.on_state
         #: (module key, output tensor) walked at before_post_forward, until its after_post_forward
-        self._outputs: tuple[str, torch.Tensor] | None = None
+        self._outputs: tuple[str, weakref.ref[torch.Tensor]] | None = None
         ledger.on_replay_error = on_error  # a deferred event that fails counts like one at once
 
     def end_step(self) -> None:
@@ -150,15 +151,15 @@ class Sink:
         # A module's inputs or outputs, as activations. An output tensor that before_post_forward
         # walked comes back to after_post_forward as itself unless FSDP's post-forward replaced it
         # (a cast to the output dtype): walked once. (Containers are walked again: a hook may have
-        # refilled one.) Held only between the two states.
+        # refilled one.) Known by a weak reference: a replaced output dies when FSDP drops it.
         seen, self._outputs = self._outputs, None
-        if state == AFTER_POST_FORWARD and seen is not None and seen[1] is tensors and seen[0] == key:
+        if state == AFTER_POST_FORWARD and seen is not None and seen[0] == key and seen[1]() is tensors:
             return
-        if state == BEFORE_POST_FORWARD and type(tensors) is torch.Tensor:
-            self._outputs = (key, tensors)
         track_new = self.ledger.track_new
         for t in tensors_in(tensors):
             track_new(t, ACTIVATION, key)
+        if state == BEFORE_POST_FORWARD and type(tensors) is torch.Tensor:
+            self._outputs = (key, weakref.ref(tensors))  # walked: a failing walk is retried
 
     @property
     def overhead(self) -> float:

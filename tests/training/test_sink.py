@@ -217,3 +217,22 @@ def test_an_output_is_walked_once_unless_post_forward_replaces_it() -> None:
     sink.on_state("blocks.1", AFTER_POST_FORWARD)  # no outputs: the forward raised
     del gone
     assert ref() is None
+
+
+def test_an_output_whose_first_walk_failed_is_walked_again() -> None:
+    sink, ledger, errors = _sink()
+    track_new = ledger.track_new
+    fail = [True]
+
+    def flaky(t: torch.Tensor, *a: object) -> None:
+        if fail.pop() if fail else False:
+            raise RuntimeError("broken once")
+        track_new(t, *a)  # type: ignore[arg-type]
+
+    ledger.track_new = flaky  # type: ignore[method-assign]
+    out = torch.randn(4, 8)
+    sink.on_state("<root>", BEFORE_PRE_FORWARD)
+    sink.on_state("<root>", BEFORE_POST_FORWARD, out)
+    sink.on_state("<root>", AFTER_POST_FORWARD, out)
+    assert [str(e) for e in errors] == ["broken once"]  # contained and counted
+    assert ledger.current["cpu"][ACTIVATION] == out.numel() * 4
