@@ -17,6 +17,11 @@ mean of the round's two untracked ones, and the median over rounds is printed. V
   hooks pushed, packing a detached alias): what merely having today's entry points costs;
 - ``installed-noact``: the same without saved-tensor hooks.
 
+Two more, by hook family, to size what folding it into FSDP's own hooks could save at most
+(FSDP2; not in the default list): ``installed-noact-nofwd``, the same as ``installed-noact`` with
+the adapter's four forward hooks per module removed after attach, and
+``installed-noact-nogroups``, with the FSDP2 group methods put back unwrapped.
+
 Reports of the ``installed`` variants are not valid. ``--json PATH`` writes the figures (rank 0).
 """
 
@@ -41,6 +46,23 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import hook_timing  # noqa: E402 - the stubs live beside it (benchmarks/ is no package)
 
 VARIANTS = ("light", "light-noact", "installed", "installed-noact")
+BY_FAMILY = ("installed-noact-nofwd", "installed-noact-nogroups")
+
+
+def strip(tracker: FSDPMemoryTracker, variant: str) -> None:
+    """Take one hook family of an attached tracker's FSDP2 adapter out (``BY_FAMILY``)."""
+    adapter: Any = tracker._adapter
+    if variant.endswith("-nofwd"):
+        for handle in adapter._handles:  # the forward hooks (and unmanaged parameters' grad hooks)
+            handle.remove()
+        adapter._handles.clear()
+    elif variant.endswith("-nogroups"):
+        for saved in reversed(adapter._saved):  # the group methods' wrappers, as detach() undoes them
+            if saved.existed:
+                setattr(saved.owner, saved.name, saved.value)
+            else:
+                delattr(saved.owner, saved.name)
+        adapter._saved.clear()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,13 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30, help="timed steps per run (default 30)")
     p.add_argument("--rounds", type=int, default=9, help="rounds (default 9)")
     p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated, from {', '.join(VARIANTS)} (default: all)")
+                   help=f"comma-separated, from {', '.join(VARIANTS + BY_FAMILY)} (default: {', '.join(VARIANTS)})")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file (rank 0)")
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [v for v in unknown if v not in BY_FAMILY]
     if unknown or not variants:
-        p.error(f"--variants: unknown {', '.join(unknown) or '(none given)'}; accepted: {', '.join(VARIANTS)}")
+        p.error(f"--variants: unknown {', '.join(unknown) or '(none given)'}; "
+                f"accepted: {', '.join(VARIANTS + BY_FAMILY)}")
     for name in ("blocks", "width", "batch", "steps", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name}: must be at least 1, got {getattr(args, name)}")
@@ -82,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     def tracked(variant: str) -> float:
         restore: Callable[[], None] | None = hook_timing.stub_all() if variant.startswith("installed") else None
         try:
-            config = TrackerConfig(activations=not variant.endswith("-noact"))
+            config = TrackerConfig(activations="-noact" not in variant)
             with FSDPMemoryTracker(model, opt, config=config) as tracker:
+                strip(tracker, variant)
                 run(tracker)  # warm-up: first entries, learnt sizes
                 return run(tracker)
         finally:
