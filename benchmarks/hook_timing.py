@@ -236,6 +236,22 @@ def stub_activation_entries() -> None:
     activations.SavedTensorAccounting._pack = pack  # type: ignore[method-assign]
 
 
+def step_cpu(model: Any, opt: Any, xs: list[Any], tracker: Any = None) -> float:
+    """Median training-thread CPU seconds of a training step over the batches ``xs`` (each step
+    starts at a barrier), tracked by ``tracker`` (``track_inputs`` and ``step()`` included) or not."""
+    cpu = []
+    for x in xs:
+        dist.barrier()
+        c0 = time.thread_time()
+        if tracker is not None:
+            tracker.track_inputs(x)
+        train_step(model, opt, x)
+        if tracker is not None:
+            tracker.step()
+        cpu.append(time.thread_time() - c0)
+    return statistics.median(cpu)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", type=int, default=16)
@@ -279,17 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.blocks} blocks x {args.width} wide, batch {args.batch}"
 
     def run(tracker: Any) -> float:
-        cpu = []
-        for x in xs:
-            dist.barrier()
-            c0 = time.thread_time()
-            if tracker is not None:
-                tracker.track_inputs(x)
-            train_step(model, opt, x)
-            if tracker is not None:
-                tracker.step()
-            cpu.append(time.thread_time() - c0)
-        return statistics.median(cpu)
+        return step_cpu(model, opt, xs, tracker)
 
     instrument()
     if args.nested:

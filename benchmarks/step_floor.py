@@ -32,14 +32,13 @@ import gc
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
 from fsdp_mem_otel.config import TrackerConfig
-from fsdp_mem_otel.training.demo import WrapOptions, build, init_distributed, make_batch, train_step
+from fsdp_mem_otel.training.demo import WrapOptions, build, init_distributed, make_batch
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -91,17 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(tracker: Any) -> float:
         gc.collect()  # a dropped tracker's cycles and entries collected here, not inside a timed run
-        cpu = []
-        for x in xs:
-            dist.barrier()
-            c0 = time.thread_time()
-            if tracker is not None:
-                tracker.track_inputs(x)
-            train_step(model, opt, x)
-            if tracker is not None:
-                tracker.step()
-            cpu.append(time.thread_time() - c0)
-        return statistics.median(cpu)
+        return hook_timing.step_cpu(model, opt, xs, tracker)
 
     def tracked(variant: str) -> float:
         restore: Callable[[], None] | None = hook_timing.stub_all() if variant.startswith("installed") else None
