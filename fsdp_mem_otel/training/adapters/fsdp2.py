@@ -12,10 +12,14 @@ read with a default, so a version without them loses that category's bytes, not 
 missing wrapped method fails ``attach()``, which undoes itself and leaves training untracked.
 
 Hook points:
-- forward: four module hooks per FSDP module, two around FSDP's own pre-forward hook and two
-  around its post-forward hook (FSDP registers its pre-hook with ``prepend=True``; ours, registered
-  later with ``prepend=True``, runs before it). The last one is ``always_call`` so a forward that
-  raises still ends. Nothing of FSDP's is replaced.
+- forward: FSDP's own pre- and post-forward hooks of a module are replaced, in their places in the
+  module's hook dicts, by wrappers that report the states around them (as upstream
+  ``FSDPMemTracker`` replaces them), plus one ``always_call`` forward hook of ours, last, so a
+  forward that raises still ends: one hook call per module and pass instead of four (their
+  dispatch alone was ~1.5% of a dispatch-bound step: benchmarks/README.md). Detach puts FSDP's
+  hooks back where a wrapper still stands. Where FSDP's hooks are not the single-module ones
+  (``fully_shard([a, b])``, or a version that keeps them elsewhere), four hooks of ours stand
+  around them instead, two before and two after (``prepend=True`` runs ours before FSDP's).
 - backward and communication: per ``FSDPParamGroup`` instance, ``pre_backward``,
   ``post_backward``, ``unshard``, ``wait_for_unshard`` and ``reshard`` are wrapped by instance
   attributes (as upstream ``FSDPMemTracker`` does for the first two). Detach deletes those
@@ -111,6 +115,31 @@ class _SavedAttr(NamedTuple):
     wrapper: Any
 
 
+#: wrappers of detached adapters that another wrapper still calls (two trackers on one model,
+#: detached out of order) -> what each replaced; restoring one restores what it replaced instead
+_STALE: weakref.WeakKeyDictionary[Any, _SavedAttr] = weakref.WeakKeyDictionary()
+
+
+def _restore(saved: _SavedAttr) -> None:
+    existed, value = saved.existed, saved.value
+    while existed and value in _STALE:  # a detached tracker's wrapper: what it replaced instead
+        inner = _STALE.pop(value)
+        existed, value = inner.existed, inner.value
+    if existed:
+        setattr(saved.owner, saved.name, value)
+    else:
+        delattr(saved.owner, saved.name)
+
+
+class _SwappedHook(NamedTuple):
+    """A module hook of FSDP's we replaced in place: its dict, id, FSDP's function and ours."""
+
+    hooks: dict[int, Any]
+    hook_id: int
+    original: Any
+    wrapper: Any
+
+
 def is_fsdp2(model: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
@@ -126,6 +155,7 @@ class FSDP2Adapter:
         self._modules = fsdp_module_keys(model, FSDPModule)
         self._handles: list[RemovableHandle] = []
         self._saved: list[_SavedAttr] = []
+        self._swapped: list[_SwappedHook] = []
         self._accounts: list[_Accounts] = []
         self._mirrors: dict[int, CommMirror] = {}
         self._check_grads = True
@@ -189,6 +219,10 @@ class FSDP2Adapter:
             member = shared.get(key)
             state = mod._get_fsdp_state()  # type: ignore[operator]
             begins, ends = partial(self._forward_begins, state), partial(self._forward_ends, state)
+            if member is None and self._fold_forward_hooks(mod, state, key, begins):
+                handles.append(mod.register_forward_hook(_io_hook(sink, key, AFTER_POST_FORWARD, first=ends),
+                                                         always_call=True))
+                continue
             if member is None:
                 handles.append(mod.register_forward_pre_hook(
                     _begin_hook(sink, key, begins, self._inputs_seen), prepend=True, with_kwargs=True))
@@ -212,17 +246,42 @@ class FSDP2Adapter:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for swapped in reversed(self._swapped):
+            if swapped.hooks.get(swapped.hook_id) is swapped.wrapper:  # else someone replaced ours
+                swapped.hooks[swapped.hook_id] = swapped.original
+        self._swapped.clear()
         for s in reversed(self._saved):
-            if s.owner.__dict__.get(s.name) is not s.wrapper:
-                continue  # someone replaced our wrapper since: leave theirs alone
-            if s.existed:
-                setattr(s.owner, s.name, s.value)
-            else:
-                delattr(s.owner, s.name)
+            if s.owner.__dict__.get(s.name) is s.wrapper:
+                _restore(s)
+            else:  # someone wrapped ours since (another tracker): whoever restores ours restores past it
+                _STALE[s.wrapper] = s
         self._saved.clear()
         self._accounts.clear()
         self._mirrors.clear()
         self._backward_ends.clear()
+
+    def _fold_forward_hooks(self, mod: nn.Module, state: Any, key: str, begins: Callable[[], None]) -> bool:
+        """Replace FSDP's single-module pre- and post-forward hooks of ``mod`` by wrappers that
+        report the states before and after each; False (nothing replaced) where they are not
+        where FSDP 2.13/2.14 keeps them."""
+        pre_handle = getattr(state, "_pre_forward_hook_handle", None)
+        post_handle = getattr(state, "_post_forward_hook_handle", None)
+        if pre_handle is None or post_handle is None or pre_handle is post_handle:
+            return False  # fully_shard([a, b]) registers one handle for the group's hooks
+        pre, post = mod._forward_pre_hooks.get(pre_handle.id), mod._forward_hooks.get(post_handle.id)
+        if (pre is None or post is None
+                or pre != getattr(state, "_pre_forward", None) or post != getattr(state, "_post_forward", None)
+                or pre_handle.id not in mod._forward_pre_hooks_with_kwargs
+                or post_handle.id in mod._forward_hooks_with_kwargs):
+            return False  # not FSDP's own there (another tracker's wrapper: ours go around it)
+        for hooks, hook_id, original, wrapper in (
+            (mod._forward_pre_hooks, pre_handle.id, pre, _folded_pre_hook(self._sink, key, pre, begins,
+                                                                          self._inputs_seen)),
+            (mod._forward_hooks, post_handle.id, post, _folded_post_hook(self._sink, key, post)),
+        ):
+            self._swapped.append(_SwappedHook(hooks, hook_id, original, wrapper))
+            hooks[hook_id] = wrapper
+        return True
 
     def _patch(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
         existed = name in owner.__dict__
@@ -603,6 +662,34 @@ class _InputGradEnds:
             for call in calls:
                 call[1] = self._DONE
         self._calls.clear()
+
+
+def _folded_pre_hook(sink: EventSink, key: str, fsdp_pre: Callable[..., Any], first: Callable[[], None],
+                     inputs_seen: Callable[[str, Any, Any], None]) -> Callable[..., Any]:
+    """FSDP's pre-forward hook ``fsdp_pre`` between before_pre_forward (after ``first``, the
+    adapter's catching up; ``inputs_seen`` gets the inputs as the module receives them) and
+    after_pre_forward (with the inputs FSDP hands on)."""
+
+    def hook(module: Any, args: Any, kwargs: Any) -> Any:
+        _guarded(sink, first)
+        sink.on_state(key, BEFORE_PRE_FORWARD)
+        inputs_seen(key, args, kwargs)
+        out = fsdp_pre(module, args, kwargs)
+        sink.on_state(key, AFTER_PRE_FORWARD, (args, kwargs) if out is None else out)
+        return out
+
+    return dynamo_safe(hook)
+
+
+def _folded_post_hook(sink: EventSink, key: str, fsdp_post: Callable[..., Any]) -> Callable[..., Any]:
+    """before_post_forward with the module's outputs, then FSDP's post-forward hook ``fsdp_post``
+    (after_post_forward is the ``always_call`` hook after it)."""
+
+    def hook(module: Any, args: Any, outputs: Any) -> Any:
+        sink.on_state(key, BEFORE_POST_FORWARD, outputs)
+        return fsdp_post(module, args, outputs)
+
+    return dynamo_safe(hook)
 
 
 def _inputs_hook(sink: EventSink, key: str) -> Callable[..., None]:

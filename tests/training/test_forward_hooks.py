@@ -1,0 +1,102 @@
+"""FSDP2's own forward hooks wrapped in place (one hook call of ours per module and forward), put
+back at detach, also with two trackers on one model detached in either order.
+
+Oracles: the modules' hook dicts themselves (what FSDP registered, before any tracker), the
+per-module states a forward reports, and bitwise equal training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from fsdp_mem_otel.schema import AFTER_POST_FORWARD, AFTER_PRE_FORWARD, BEFORE_POST_FORWARD, BEFORE_PRE_FORWARD
+from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch, train_step
+from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
+from tests.dist import run_ranks
+from tests.oracles import BATCH, BLOCKS, WIDTH, fsdp_fingerprint
+
+_FORWARD = [BEFORE_PRE_FORWARD, AFTER_PRE_FORWARD, BEFORE_POST_FORWARD, AFTER_POST_FORWARD]
+
+
+def _hooks(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    return {path or "<root>": (len(m._forward_pre_hooks), len(m._forward_hooks))  # the tracker's keys
+            for path, m in model.named_modules() if hasattr(m, "_get_fsdp_state")}
+
+
+@dataclass(frozen=True)
+class HooksResult:
+    before: dict[str, tuple[int, int]]  # FSDP module -> (pre-hooks, forward hooks), untracked
+    during: dict[str, tuple[int, int]]
+    fsdp_hooks_in_place: bool  # FSDP's own hook ids still hold a hook while attached
+    forward_states: dict[str, list[str]]  # module -> its forward states, in order, one step
+    fingerprints: dict[str, Any]  # "before", then after each detach order
+    errors: int
+
+
+def forward_hooks(opts_dict: dict[str, Any]) -> HooksResult:
+    rank = torch.distributed.get_rank()
+    model, opt = build(BLOCKS, WIDTH, WrapOptions(**opts_dict))
+    train_step(model, opt, make_batch(0, BATCH, WIDTH, rank))  # lazy init done
+    before, fingerprints = _hooks(model), {"before": fsdp_fingerprint(model, opt)}
+    errors = 0
+    with FSDPMemoryTracker(model, opt) as tracker:
+        during = _hooks(model)
+        in_place = True
+        for m in model.modules():
+            if hasattr(m, "_get_fsdp_state"):
+                st = m._get_fsdp_state()
+                pre = m._forward_pre_hooks.get(st._pre_forward_hook_handle.id)
+                post = m._forward_hooks.get(st._post_forward_hook_handle.id)
+                in_place &= pre is not None and post is not None and pre != st._pre_forward
+                in_place &= post != st._post_forward
+        train_step(model, opt, make_batch(1, BATCH, WIDTH, rank))
+        logged = tracker.recorder.logged
+        tracker.step()
+        errors += tracker.errors_total
+    states: dict[str, list[str]] = {}
+    for key, state in logged:
+        if state in _FORWARD:
+            states.setdefault(key, []).append(state)
+    fingerprints["one"] = fsdp_fingerprint(model, opt)
+
+    # two trackers on one model at once, detached first-attached first, then last first
+    for order in ("fifo", "lifo"):
+        a = FSDPMemoryTracker(model, opt).attach()
+        b = FSDPMemoryTracker(model, opt).attach()
+        for step in range(2):
+            train_step(model, opt, make_batch(2 + step, BATCH, WIDTH, rank))
+            a.step()
+            b.step()
+        first, second = (a, b) if order == "fifo" else (b, a)
+        first.detach()
+        train_step(model, opt, make_batch(4, BATCH, WIDTH, rank))  # the other one still attached
+        second.step()
+        second.detach()
+        errors += a.errors_total + b.errors_total
+        fingerprints[order] = fsdp_fingerprint(model, opt)
+    return HooksResult(before=before, during=during, fsdp_hooks_in_place=in_place, forward_states=states,
+                       fingerprints=fingerprints, errors=errors)
+
+
+@pytest.fixture(scope="module")
+def hooks() -> list[HooksResult]:
+    return run_ranks(forward_hooks, {"fsdp": 2})
+
+
+def test_fsdp2_forward_hooks_are_wrapped_in_place_and_put_back(hooks: list[HooksResult], rank: int) -> None:
+    res = hooks[rank]
+    assert res.before and res.during.keys() == res.before.keys()
+    for path, (pre, post) in res.before.items():
+        # FSDP's pre-hook replaced in its place, no hook of ours added; one always-call hook after its post-hook
+        assert res.during[path] == (pre, post + 1), path
+    assert res.fsdp_hooks_in_place
+    assert set(res.forward_states) == set(res.before)
+    for path, states in res.forward_states.items():
+        assert states == _FORWARD, path
+    for order in ("one", "fifo", "lifo"):
+        assert res.fingerprints[order] == res.fingerprints["before"], order
+    assert res.errors == 0
