@@ -82,6 +82,55 @@ def forward_hooks(opts_dict: dict[str, Any]) -> HooksResult:
                        fingerprints=fingerprints, errors=errors)
 
 
+@dataclass(frozen=True)
+class UpstreamResult:
+    missing: dict[str, list[str]]  # per step after upstream's: modules without all four forward states
+    counts_after: dict[str, tuple[int, int]]  # hook counts after our detach
+    before: dict[str, tuple[int, int]]
+    errors: int
+
+
+def upstream_replaces_hooks(opts_dict: dict[str, Any]) -> UpstreamResult:
+    """Upstream FSDPMemTracker entered while ours is attached: it removes FSDP's forward hooks
+    (ours, wrapped in place) and registers its own; ours must take the states over."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    rank = torch.distributed.get_rank()
+    model, opt = build(BLOCKS, WIDTH, WrapOptions(**opts_dict))
+    train_step(model, opt, make_batch(0, BATCH, WIDTH, rank))
+    before = _hooks(model)
+    missing: dict[str, list[str]] = {}
+    with FSDPMemoryTracker(model, opt) as tracker:
+        for step in range(4):
+            if step == 1:
+                with FSDPMemTracker(model, opt):
+                    train_step(model, opt, make_batch(step, BATCH, WIDTH, rank))
+            else:
+                train_step(model, opt, make_batch(step, BATCH, WIDTH, rank))
+            states: dict[str, list[str]] = {}
+            for key, state in tracker.recorder.logged:
+                if state in _FORWARD:
+                    states.setdefault(key, []).append(state)
+            missing[f"step{step}"] = sorted(k for k in before if states.get(k) != _FORWARD)
+            tracker.step()
+        errors = tracker.errors_total
+    return UpstreamResult(missing=missing, counts_after=_hooks(model), before=before, errors=errors)
+
+
+@pytest.fixture(scope="module")
+def upstream() -> list[UpstreamResult]:
+    return run_ranks(upstream_replaces_hooks, {"fsdp": 2})
+
+
+def test_hooks_of_ours_take_over_when_someone_replaces_fsdps(upstream: list[UpstreamResult], rank: int) -> None:
+    res = upstream[rank]
+    assert res.missing["step0"] == []
+    # the step after upstream's: ours noticed at its first forward's end; from the next step on, all states again
+    assert res.missing["step3"] == []
+    assert res.counts_after == res.before  # nothing of ours left (upstream re-registered FSDP's own)
+    assert res.errors == 0
+
+
 @pytest.fixture(scope="module")
 def hooks() -> list[HooksResult]:
     return run_ranks(forward_hooks, {"fsdp": 2})

@@ -58,6 +58,7 @@ that still holds one frees it; on CUDA, per-tensor accounting keeps them until t
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -94,6 +95,8 @@ _FORWARD = TrainingState.FORWARD
 _AFTER_UNSHARD, _AFTER_RESHARD = methodcaller("after_unshard"), methodcaller("after_reshard")
 
 
+logger = logging.getLogger(__name__)
+
 def param_groups(module: nn.Module) -> list[Any]:
     """The FSDPParamGroups of one FSDP module: ``_fsdp_param_groups`` since torch 2.13; torch 2.11
     and 2.12 (the GPU machine's torch, benchmarks/README.md) keep at most one, ``_fsdp_param_group``."""
@@ -115,16 +118,21 @@ class _SavedAttr(NamedTuple):
     wrapper: Any
 
 
-#: wrappers of detached adapters that another wrapper still calls (two trackers on one model,
-#: detached out of order) -> what each replaced; restoring one restores what it replaced instead
-_STALE: weakref.WeakKeyDictionary[Any, _SavedAttr] = weakref.WeakKeyDictionary()
+#: set on a detached adapter's wrapper that another wrapper still calls (two trackers on one
+#: model, detached out of order): (existed, value) of what it replaced, restored in its place
+_REPLACED = "_fsdp_mem_otel_replaced"
 
 
 def _restore(saved: _SavedAttr) -> None:
     existed, value = saved.existed, saved.value
-    while existed and value in _STALE:  # a detached tracker's wrapper: what it replaced instead
-        inner = _STALE.pop(value)
-        existed, value = inner.existed, inner.value
+    while existed:  # a detached tracker's wrapper: what it replaced instead
+        try:
+            replaced = getattr(value, _REPLACED, None)
+        except Exception:  # noqa: BLE001 - someone's object with a strange __getattr__: it stays
+            replaced = None
+        if replaced is None:
+            break
+        existed, value = replaced
     if existed:
         setattr(saved.owner, saved.name, value)
     else:
@@ -155,7 +163,7 @@ class FSDP2Adapter:
         self._modules = fsdp_module_keys(model, FSDPModule)
         self._handles: list[RemovableHandle] = []
         self._saved: list[_SavedAttr] = []
-        self._swapped: list[_SwappedHook] = []
+        self._forward = _ForwardHooks(sink, self._handles, self._inputs_seen)
         self._accounts: list[_Accounts] = []
         self._mirrors: dict[int, CommMirror] = {}
         self._check_grads = True
@@ -219,20 +227,8 @@ class FSDP2Adapter:
             member = shared.get(key)
             state = mod._get_fsdp_state()  # type: ignore[operator]
             begins, ends = partial(self._forward_begins, state), partial(self._forward_ends, state)
-            if member is None and self._fold_forward_hooks(mod, state, key, begins):
-                handles.append(mod.register_forward_hook(_io_hook(sink, key, AFTER_POST_FORWARD, first=ends),
-                                                         always_call=True))
-                continue
-            if member is None:
-                handles.append(mod.register_forward_pre_hook(
-                    _begin_hook(sink, key, begins, self._inputs_seen), prepend=True, with_kwargs=True))
-            else:  # also sees the inputs, before FSDP's pre-forward wraps them
-                handles.append(mod.register_forward_pre_hook(_member_pre_hook(sink, key, member, begins),
-                                                             prepend=True, with_kwargs=True))
-            handles.append(mod.register_forward_pre_hook(_inputs_hook(sink, key), with_kwargs=True))
-            handles.append(mod.register_forward_hook(_io_hook(sink, key, BEFORE_POST_FORWARD, windows=member),
-                                                     prepend=True))
-            handles.append(mod.register_forward_hook(_io_hook(sink, key, AFTER_POST_FORWARD, first=ends),
+            check = self._forward.install(key, mod, state, member, begins)
+            handles.append(mod.register_forward_hook(_io_hook(sink, key, AFTER_POST_FORWARD, first=ends, then=check),
                                                      always_call=True))
         managed: set[int] = set()
         for keys, group in groups:
@@ -246,42 +242,16 @@ class FSDP2Adapter:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        for swapped in reversed(self._swapped):
-            if swapped.hooks.get(swapped.hook_id) is swapped.wrapper:  # else someone replaced ours
-                swapped.hooks[swapped.hook_id] = swapped.original
-        self._swapped.clear()
+        self._forward.restore()
         for s in reversed(self._saved):
             if s.owner.__dict__.get(s.name) is s.wrapper:
                 _restore(s)
             else:  # someone wrapped ours since (another tracker): whoever restores ours restores past it
-                _STALE[s.wrapper] = s
+                setattr(s.wrapper, _REPLACED, (s.existed, s.value))
         self._saved.clear()
         self._accounts.clear()
         self._mirrors.clear()
         self._backward_ends.clear()
-
-    def _fold_forward_hooks(self, mod: nn.Module, state: Any, key: str, begins: Callable[[], None]) -> bool:
-        """Replace FSDP's single-module pre- and post-forward hooks of ``mod`` by wrappers that
-        report the states before and after each; False (nothing replaced) where they are not
-        where FSDP 2.13/2.14 keeps them."""
-        pre_handle = getattr(state, "_pre_forward_hook_handle", None)
-        post_handle = getattr(state, "_post_forward_hook_handle", None)
-        if pre_handle is None or post_handle is None or pre_handle is post_handle:
-            return False  # fully_shard([a, b]) registers one handle for the group's hooks
-        pre, post = mod._forward_pre_hooks.get(pre_handle.id), mod._forward_hooks.get(post_handle.id)
-        if (pre is None or post is None
-                or pre != getattr(state, "_pre_forward", None) or post != getattr(state, "_post_forward", None)
-                or pre_handle.id not in mod._forward_pre_hooks_with_kwargs
-                or post_handle.id in mod._forward_hooks_with_kwargs):
-            return False  # not FSDP's own there (another tracker's wrapper: ours go around it)
-        for hooks, hook_id, original, wrapper in (
-            (mod._forward_pre_hooks, pre_handle.id, pre, _folded_pre_hook(self._sink, key, pre, begins,
-                                                                          self._inputs_seen)),
-            (mod._forward_hooks, post_handle.id, post, _folded_post_hook(self._sink, key, post)),
-        ):
-            self._swapped.append(_SwappedHook(hooks, hook_id, original, wrapper))
-            hooks[hook_id] = wrapper
-        return True
 
     def _patch(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
         existed = name in owner.__dict__
@@ -390,6 +360,7 @@ class FSDP2Adapter:
 
     def reconcile(self) -> None:
         """Let go of what FSDP and ``zero_grad`` let go of without an event (the step ends)."""
+        self._forward.reconcile()
         for mirror in self._mirrors.values():
             mirror.reconcile()
         for acct in self._accounts:
@@ -424,6 +395,98 @@ class FSDP2Adapter:
     def fallback_groups(self) -> int:
         """Groups that light mode accounts per tensor, because their events cannot say it."""
         return sum(acct.fell_back for acct in self._accounts)
+
+
+class _ForwardHooks:
+    """An adapter's forward hooks: FSDP's own single-module pre- and post-forward hooks wrapped in
+    their places (``install``), else four hooks of ours around them; the always-call hook that
+    ends each forward is the adapter's. See the module docstring."""
+
+    def __init__(self, sink: EventSink, handles: list[RemovableHandle],
+                 inputs_seen: Callable[[str, Any, Any], None]) -> None:
+        self._sink = sink
+        self._handles = handles  # the adapter's: removed at its detach
+        self._inputs_seen = inputs_seen
+        self._swapped: list[_SwappedHook] = []
+        #: modules whose wrapped FSDP hooks someone replaced -> (module, begins until ours are added)
+        self._unfolded: dict[str, tuple[nn.Module, Callable[[], None] | None]] = {}
+
+    def install(self, key: str, mod: nn.Module, state: Any, member: _SharedGroupWindows | None,
+                begins: Callable[[], None]) -> Callable[[], None] | None:
+        """The states of ``mod``'s forward but the last; returns what the forward's end should
+        call (a check that FSDP's wrapped hooks are still ours), or None."""
+        if member is None and self._fold_forward_hooks(mod, state, key, begins):
+            pre = self._swapped[-2]  # our pre-forward wrapper: still there after each forward?
+            return partial(self._check_folded, key, mod, begins, pre.hooks, pre.hook_id, pre.wrapper)
+        self._add_forward_hooks(key, mod, member, begins)
+        return None
+
+    def reconcile(self) -> None:
+        """At a step's end: hooks of ours for modules whose wrapped FSDP hooks were replaced."""
+        for key, (mod, begins) in list(self._unfolded.items()):
+            if begins is not None:  # once (see _check_folded)
+                self._add_forward_hooks(key, mod, None, begins)
+                self._unfolded[key] = (mod, None)
+
+    def restore(self) -> None:
+        """Put FSDP's hooks back where our wrappers still stand (detach)."""
+        for swapped in reversed(self._swapped):
+            if swapped.hooks.get(swapped.hook_id) is swapped.wrapper:  # else someone replaced ours
+                swapped.hooks[swapped.hook_id] = swapped.original
+        self._swapped.clear()
+        self._unfolded.clear()
+
+    def _add_forward_hooks(self, key: str, mod: nn.Module, member: _SharedGroupWindows | None,
+                           begins: Callable[[], None]) -> None:
+        """Hooks of ours around FSDP's forward hooks where they are not wrapped in place: before
+        (``prepend``) and after its pre-hook, and before its post-hook (the caller adds the
+        always-call one after it)."""
+        sink, handles = self._sink, self._handles
+        if member is None:
+            handles.append(mod.register_forward_pre_hook(
+                _begin_hook(sink, key, begins, self._inputs_seen), prepend=True, with_kwargs=True))
+        else:  # also sees the inputs, before FSDP's pre-forward wraps them
+            handles.append(mod.register_forward_pre_hook(_member_pre_hook(sink, key, member, begins),
+                                                         prepend=True, with_kwargs=True))
+        handles.append(mod.register_forward_pre_hook(_inputs_hook(sink, key), with_kwargs=True))
+        handles.append(mod.register_forward_hook(_io_hook(sink, key, BEFORE_POST_FORWARD, windows=member),
+                                                 prepend=True))
+
+    def _check_folded(self, key: str, mod: nn.Module, begins: Callable[[], None], pre_hooks: dict[int, Any],
+                      pre_id: int, pre_wrapper: Any) -> None:
+        # After each forward of a module whose FSDP hooks we wrapped in place: still ours? Someone
+        # may have replaced FSDP's hooks since (upstream FSDPMemTracker re-registers them), and
+        # that forward's earlier states went unseen: hooks of ours take over at the step's end
+        # (not here: adding forward hooks while they run changes the dict being walked).
+        if pre_hooks.get(pre_id) is not pre_wrapper and key not in self._unfolded:
+            self._unfolded[key] = (mod, begins)
+            logger.warning("fsdp_mem_otel: FSDP's forward hooks of %s were replaced since attach (another "
+                           "memory tracker?); its forward states are taken by hooks of ours from the next "
+                           "step", key)
+
+    def _fold_forward_hooks(self, mod: nn.Module, state: Any, key: str, begins: Callable[[], None]) -> bool:
+        """Replace FSDP's single-module pre- and post-forward hooks of ``mod`` by wrappers that
+        report the states before and after each; False (nothing replaced) where they are not
+        where FSDP 2.13/2.14 keeps them."""
+        pre_handle = getattr(state, "_pre_forward_hook_handle", None)
+        post_handle = getattr(state, "_post_forward_hook_handle", None)
+        if pre_handle is None or post_handle is None or pre_handle is post_handle:
+            return False  # fully_shard([a, b]) registers one handle for the group's hooks
+        pre, post = mod._forward_pre_hooks.get(pre_handle.id), mod._forward_hooks.get(post_handle.id)
+        if (pre is None or post is None
+                or pre != getattr(state, "_pre_forward", None) or post != getattr(state, "_post_forward", None)
+                or pre_handle.id not in mod._forward_pre_hooks_with_kwargs
+                or post_handle.id in mod._forward_hooks_with_kwargs
+                or post_handle.id in mod._forward_hooks_always_called):
+            return False  # not FSDP's own there (another tracker's wrapper: ours go around it)
+        for hooks, hook_id, original, wrapper in (
+            (mod._forward_pre_hooks, pre_handle.id, pre, _folded_pre_hook(self._sink, key, pre, begins,
+                                                                          self._inputs_seen)),
+            (mod._forward_hooks, post_handle.id, post, _folded_post_hook(self._sink, key, post)),
+        ):
+            self._swapped.append(_SwappedHook(hooks, hook_id, original, wrapper))
+            hooks[hook_id] = wrapper
+        return True
 
 
 class _Accounts:
@@ -807,9 +870,9 @@ def _grad_node(t: torch.Tensor) -> Any:
 
 
 def _io_hook(sink: EventSink, key: str, state: str, windows: _SharedGroupWindows | None = None,
-             first: Callable[[], None] | None = None) -> Callable[..., None]:
-    """A forward hook passing the module's outputs with the state, after ``first``; for a module
-    sharing its group, also marks where its backward will start."""
+             first: Callable[[], None] | None = None, then: Callable[[], None] | None = None) -> Callable[..., None]:
+    """A forward hook passing the module's outputs with the state, after ``first`` and before
+    ``then``; for a module sharing its group, also marks where its backward will start."""
 
     def hook(_module: Any, _args: Any, outputs: Any) -> None:
         if first is not None:
@@ -817,6 +880,8 @@ def _io_hook(sink: EventSink, key: str, state: str, windows: _SharedGroupWindows
         sink.on_state(key, state, outputs)
         if windows is not None:
             _guarded(sink, lambda: windows.outputs(key, outputs))
+        if then is not None:
+            _guarded(sink, then)
 
     return dynamo_safe(hook)
 
