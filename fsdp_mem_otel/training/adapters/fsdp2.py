@@ -15,11 +15,13 @@ Hook points:
 - forward: FSDP's own pre- and post-forward hooks of a module are replaced, in their places in the
   module's hook dicts, by wrappers that report the states around them (as upstream
   ``FSDPMemTracker`` replaces them), plus one ``always_call`` forward hook of ours, last, so a
-  forward that raises still ends: one hook call per module and pass instead of four (their
-  dispatch alone was ~1.5% of a dispatch-bound step: benchmarks/README.md). Detach puts FSDP's
-  hooks back where a wrapper still stands. Where FSDP's hooks are not the single-module ones
-  (``fully_shard([a, b])``, or a version that keeps them elsewhere), four hooks of ours stand
-  around them instead, two before and two after (``prepend=True`` runs ours before FSDP's).
+  forward that raises still ends: one hook added per module instead of four (their dispatch
+  alone was ~1.5% of a dispatch-bound step: benchmarks/README.md). Detach puts FSDP's hooks back
+  where a wrapper still stands. Where FSDP's hooks are not the single-module ones
+  (``fully_shard([a, b])``, another tracker's wrappers, a version that keeps them elsewhere), four
+  hooks of ours stand around them instead, two before and two after (``prepend=True`` runs ours
+  before FSDP's); so they do, from the next step, where someone replaced the wrapped ones after
+  attach (upstream ``FSDPMemTracker`` does: ``_ForwardHooks``).
 - backward and communication: per ``FSDPParamGroup`` instance, ``pre_backward``,
   ``post_backward``, ``unshard``, ``wait_for_unshard`` and ``reshard`` are wrapped by instance
   attributes (as upstream ``FSDPMemTracker`` does for the first two). Detach deletes those
@@ -96,6 +98,7 @@ _AFTER_UNSHARD, _AFTER_RESHARD = methodcaller("after_unshard"), methodcaller("af
 
 
 logger = logging.getLogger(__name__)
+
 
 def param_groups(module: nn.Module) -> list[Any]:
     """The FSDPParamGroups of one FSDP module: ``_fsdp_param_groups`` since torch 2.13; torch 2.11
