@@ -18,7 +18,8 @@ Hook points:
   forward that raises still ends: one hook added per module instead of four (their dispatch
   alone was ~1.5% of a dispatch-bound step: benchmarks/README.md). Detach puts FSDP's hooks back
   where a wrapper still stands. Where FSDP's hooks are not the single-module ones
-  (``fully_shard([a, b])``, another tracker's wrappers, a version that keeps them elsewhere), four
+  (``fully_shard([a, b])``, another tracker's wrappers, a version that keeps them elsewhere), and
+  on the model itself (automatic attachment attaches inside its first forward), four
   hooks of ours stand around them instead, two before and two after (``prepend=True`` runs ours
   before FSDP's); so they do, from the next step, where someone replaced the wrapped ones after
   attach (upstream ``FSDPMemTracker`` does: ``_ForwardHooks``).
@@ -166,7 +167,7 @@ class FSDP2Adapter:
         self._modules = fsdp_module_keys(model, FSDPModule)
         self._handles: list[RemovableHandle] = []
         self._saved: list[_SavedAttr] = []
-        self._forward = _ForwardHooks(sink, self._handles, self._inputs_seen)
+        self._forward = _ForwardHooks(sink, self._handles, self._inputs_seen, model)
         self._accounts: list[_Accounts] = []
         self._mirrors: dict[int, CommMirror] = {}
         self._check_grads = True
@@ -406,8 +407,11 @@ class _ForwardHooks:
     ends each forward is the adapter's. See the module docstring."""
 
     def __init__(self, sink: EventSink, handles: list[RemovableHandle],
-                 inputs_seen: Callable[[str, Any, Any], None]) -> None:
+                 inputs_seen: Callable[[str, Any, Any], None], model: nn.Module) -> None:
         self._sink = sink
+        # The model itself keeps hooks of ours: automatic attachment attaches inside its first
+        # forward and runs the pre-hooks that call can no longer pick up (new ones: integrations/auto.py)
+        self._model = model
         self._handles = handles  # the adapter's: removed at its detach
         self._inputs_seen = inputs_seen
         self._swapped: list[_SwappedHook] = []
@@ -418,7 +422,7 @@ class _ForwardHooks:
                 begins: Callable[[], None]) -> Callable[[], None] | None:
         """The states of ``mod``'s forward but the last; returns what the forward's end should
         call (a check that FSDP's wrapped hooks are still ours), or None."""
-        if member is None and self._fold_forward_hooks(mod, state, key, begins):
+        if member is None and mod is not self._model and self._fold_forward_hooks(mod, state, key, begins):
             pre = self._swapped[-2]  # our pre-forward wrapper: still there after each forward?
             return partial(self._check_folded, key, mod, begins, pre.hooks, pre.hook_id, pre.wrapper)
         self._add_forward_hooks(key, mod, member, begins)
