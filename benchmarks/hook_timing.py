@@ -4,6 +4,7 @@ Run (2 ranks, gloo, CPU):
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/hook_timing.py [--blocks 16] [--steps 20] [--rounds 5]
         [--width 64 --batch 8]   (the compute-bound model: --blocks 4 --width 1024 --batch 256)
+        [--model llama]          (an HF Llama of --blocks decoder layers, hidden --width, --batch sequences)
 
 Every function through which training enters the tracker is wrapped with a timer before attach:
 the sink's state events (``on_state``: the forward hooks and the group emits), the FSDP2 group
@@ -35,6 +36,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -236,16 +238,52 @@ def stub_activation_entries() -> None:
     activations.SavedTensorAccounting._pack = pack  # type: ignore[method-assign]
 
 
-def step_cpu(model: Any, opt: Any, xs: list[Any], tracker: Any = None) -> float:
-    """Median training-thread CPU seconds of a training step over the batches ``xs`` (each step
-    starts at a barrier), tracked by ``tracker`` (``track_inputs`` and ``step()`` included) or not."""
+#: ``--model``: the demo's MLP blocks, or the HF Llama of tests/cuda_llama.py (decoder layers)
+MODELS = ("mlp", "llama")
+LLAMA_SEQ = 64  # tokens per sequence of ``--model llama``
+
+
+def build_model(kind: str, blocks: int, width: int, batch: int, steps: int, rank: int,
+                ) -> tuple[Any, Any, list[Any], Callable[[Any, Any, Any], Any], str]:
+    """Model (FSDP2), optimizer, ``steps`` batches, the training step and a label: ``mlp``, the
+    demo's ``blocks`` MLP blocks ``width`` wide; ``llama``, an HF ``LlamaForCausalLM`` of ``blocks``
+    decoder layers of hidden size ``width`` (float32, FSDP2 per layer and the root, as
+    tests/cuda_llama.py shards it), ``batch`` sequences of ``LLAMA_SEQ`` tokens."""
+    if kind == "mlp":
+        model, opt = build(blocks, width, WrapOptions(fsdp=2))
+        xs = [make_batch(i, batch, width, rank) for i in range(steps)]
+        label = f"dispatch-{blocks}" if (width, batch) == (64, 8) else f"{blocks} blocks x {width} wide, batch {batch}"
+        return model, opt, xs, train_step, label
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests import cuda_llama
+
+    torch.manual_seed(0)
+    heads = max(1, width // 32)
+    config = LlamaConfig(hidden_size=width, intermediate_size=width * 8 // 3, num_hidden_layers=blocks,
+                         num_attention_heads=heads, num_key_value_heads=heads, vocab_size=512,
+                         max_position_embeddings=LLAMA_SEQ)
+    model = cuda_llama.fsdp_wrap(LlamaForCausalLM(config))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(rank)
+    xs = [torch.randint(0, 512, (batch, LLAMA_SEQ), generator=gen) for _ in range(steps)]
+    return model, opt, xs, cuda_llama.train_step, f"llama-{blocks} (hidden {width}, {batch} x {LLAMA_SEQ} tokens)"
+
+
+def step_cpu(model: Any, opt: Any, xs: list[Any], tracker: Any = None,
+             train: Callable[[Any, Any, Any], Any] = train_step) -> float:
+    """Median training-thread CPU seconds of a training step (``train``) over the batches ``xs``
+    (each step starts at a barrier), tracked by ``tracker`` (``track_inputs`` and ``step()``
+    included) or not."""
     cpu = []
     for x in xs:
         dist.barrier()
         c0 = time.thread_time()
         if tracker is not None:
             tracker.track_inputs(x)
-        train_step(model, opt, x)
+        train(model, opt, x)
         if tracker is not None:
             tracker.step()
         cpu.append(time.thread_time() - c0)
@@ -254,6 +292,9 @@ def step_cpu(model: Any, opt: Any, xs: list[Any], tracker: Any = None) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=MODELS, default="mlp",
+                   help="the demo's MLP blocks (default), or an HF Llama (--blocks decoder layers of hidden "
+                        f"size --width, --batch sequences of {LLAMA_SEQ} tokens; needs transformers)")
     p.add_argument("--blocks", type=int, default=16)
     p.add_argument("--width", type=int, default=64,
                    help="features per block (default 64: dispatch-bound; overhead.py's compute-4 is --blocks 4 "
@@ -289,13 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("blocks", "width", "batch", "steps", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name}: must be at least 1, got {getattr(args, name)}")
-    model, opt = build(args.blocks, args.width, WrapOptions(fsdp=2))
-    xs = [make_batch(i, args.batch, args.width, rank) for i in range(args.steps)]
-    label = f"dispatch-{args.blocks}" if (args.width, args.batch) == (64, 8) else \
-        f"{args.blocks} blocks x {args.width} wide, batch {args.batch}"
+    model, opt, xs, train, label = build_model(args.model, args.blocks, args.width, args.batch, args.steps, rank)
 
     def run(tracker: Any) -> float:
-        return step_cpu(model, opt, xs, tracker)
+        return step_cpu(model, opt, xs, tracker, train)
 
     instrument()
     if args.nested:
@@ -349,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{t / args.steps / base:7.2%}")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"blocks": args.blocks, "width": args.width, "batch": args.batch,
+                json.dump({"model": args.model, "blocks": args.blocks, "width": args.width, "batch": args.batch,
                            "clock": args.clock, "timer_cost_us": cost * 1e6,
                            "timer_whole_cost_us": whole_cost * 1e6,
                            "shares": shares, "median": statistics.median(shares), "step_ratios": step_ratios,

@@ -3,6 +3,7 @@
 Run (one process is the quiet case; any number of ranks works):
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 1 benchmarks/step_floor.py [--blocks 16] [--steps 30] [--rounds 9]
+        [--model llama]   (an HF Llama instead of the demo's MLP blocks: see hook_timing.py)
 
 ``hook_timing.py`` times each entry point in place; its timers cost about as much as small
 entries, and its "tracked step" takes an estimate of them out. Here nothing is timed but whole
@@ -22,6 +23,12 @@ Two more, by hook family, to size what folding it into FSDP's own hooks could sa
 the adapter's four forward hooks per module removed after attach, and
 ``installed-noact-nogroups``, with the FSDP2 group methods put back unwrapped.
 
+And one with no tracker at all, to size what autograd's saved-tensor hooks cost by themselves:
+``torch-hooks`` pushes a pack hook that hands autograd the tensor (a leaf) or a detached alias and
+an identity unpack around the model's forward, as light mode does, with nothing else: PyTorch's
+mechanism plus two trivial Python calls per saved tensor, the floor of any activation accounting
+through those hooks.
+
 Reports of the ``installed`` variants are not valid. ``--json PATH`` writes the figures (rank 0).
 """
 
@@ -35,17 +42,41 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from fsdp_mem_otel.config import TrackerConfig
-from fsdp_mem_otel.training.demo import WrapOptions, build, init_distributed, make_batch
+from fsdp_mem_otel.training.demo import init_distributed
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import hook_timing  # noqa: E402 - the stubs live beside it (benchmarks/ is no package)
 
 VARIANTS = ("light", "light-noact", "installed", "installed-noact")
-BY_FAMILY = ("installed-noact-nofwd", "installed-noact-nogroups")
+BY_FAMILY = ("installed-noact-nofwd", "installed-noact-nogroups", "torch-hooks")
+
+
+def _pack(t: Any) -> Any:
+    return t if t.is_leaf else t.detach()
+
+
+def _unpack(t: Any) -> Any:
+    return t
+
+
+def saved_tensor_hooks_only(model: Any) -> Callable[[], None]:
+    """``torch-hooks``: our pack and unpack pushed around ``model``'s forward, no tracker; returns
+    the undo."""
+    hooks = torch._C._autograd
+    handles = [model.register_forward_pre_hook(lambda *_: hooks._push_saved_tensors_default_hooks(_pack, _unpack),
+                                               prepend=True),
+               model.register_forward_hook(lambda *_: hooks._pop_saved_tensors_default_hooks(), always_call=True)]
+
+    def undo() -> None:
+        for h in handles:
+            h.remove()
+
+    return undo
 
 
 def strip(tracker: FSDPMemoryTracker, variant: str) -> None:
@@ -66,6 +97,8 @@ def strip(tracker: FSDPMemoryTracker, variant: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=hook_timing.MODELS, default="mlp",
+                   help="the demo's MLP blocks (default) or an HF Llama, as in hook_timing.py")
     p.add_argument("--blocks", type=int, default=16)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
@@ -85,14 +118,21 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             p.error(f"--{name}: must be at least 1, got {getattr(args, name)}")
     rank, _ = init_distributed()
-    model, opt = build(args.blocks, args.width, WrapOptions(fsdp=2))
-    xs = [make_batch(i, args.batch, args.width, rank) for i in range(args.steps)]
+    model, opt, xs, train, label = hook_timing.build_model(args.model, args.blocks, args.width, args.batch,
+                                                           args.steps, rank)
 
     def run(tracker: Any) -> float:
         gc.collect()  # a dropped tracker's cycles and entries collected here, not inside a timed run
-        return hook_timing.step_cpu(model, opt, xs, tracker)
+        return hook_timing.step_cpu(model, opt, xs, tracker, train)
 
     def tracked(variant: str) -> float:
+        if variant == "torch-hooks":
+            undo = saved_tensor_hooks_only(model)
+            try:
+                run(None)  # warm-up, as the tracked variants
+                return run(None)
+            finally:
+                undo()
         restore: Callable[[], None] | None = hook_timing.stub_all() if variant.startswith("installed") else None
         try:
             config = TrackerConfig(activations="-noact" not in variant)
@@ -117,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"round {r + 1}: untracked {base * 1e3:.2f} ms CPU; "
                   + ", ".join(f"{v} {ratios[v][-1]:.3f}x" for v in variants), flush=True)
-    label = f"{args.blocks} blocks x {args.width} wide, batch {args.batch}, {dist.get_world_size()} rank(s)"
+    label = f"{label}, {dist.get_world_size()} rank(s)"
     if rank == 0:
         print(f"{label}: untracked step {statistics.median(bases) * 1e3:.2f} ms CPU (median); "
               f"tracked over untracked, median of {args.rounds} rounds:")
@@ -126,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {v:<16} {statistics.median(rs):.3f}x  (min {min(rs):.3f}x, max {max(rs):.3f}x)")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"blocks": args.blocks, "width": args.width, "batch": args.batch,
+                json.dump({"model": args.model, "blocks": args.blocks, "width": args.width, "batch": args.batch,
                            "world_size": dist.get_world_size(), "steps": args.steps,
                            "untracked_ms": [b * 1e3 for b in bases], "ratios": ratios,
                            "median": {v: statistics.median(rs) for v, rs in ratios.items()}}, f, indent=1)
