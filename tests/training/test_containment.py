@@ -145,6 +145,59 @@ def disable_after_errors(opts_dict: dict[str, Any]) -> DisableResult:
                          exporter_broken_errors=exporter_broken.errors_total)
 
 
+@dataclass(frozen=True)
+class MidForwardResult:
+    untracked: list[float]
+    tracked: list[float]
+    disabled: bool
+    attached: bool
+    hooks_restored: bool  # every hook and patch as before attach
+
+
+def disable_inside_forward(opts_dict: dict[str, Any]) -> MidForwardResult:
+    """The error limit reached inside a forward (max_errors=1, the first state event of a step
+    fails): the tracker detaches itself there, while the module call runs the hooks it started
+    with, and training goes on as untracked."""
+    from fsdp_mem_otel.config import TrackerConfig
+    from tests.oracles import fsdp_fingerprint
+
+    rank = torch.distributed.get_rank()
+    losses: dict[bool, list[float]] = {}
+    for tracked in (False, True):
+        model, opt = build(BLOCKS, WIDTH, WrapOptions(**opts_dict))
+        run = [train_step(model, opt, make_batch(0, BATCH, WIDTH, rank))]  # lazy init done
+        before = fsdp_fingerprint(model, opt)
+        tracker = FSDPMemoryTracker(model, opt, config=TrackerConfig(max_errors=1)) if tracked else None
+        if tracker is not None:
+            tracker.attach()
+
+            def broken() -> None:
+                raise RuntimeError("injected tracker failure")
+
+            tracker._sink._forward_begins = broken  # type: ignore[method-assign] # the root's first state
+        for step in range(1, 3):
+            run.append(train_step(model, opt, make_batch(step, BATCH, WIDTH, rank)))
+            if tracker is not None:
+                tracker.step()
+        losses[tracked] = run
+    assert tracker is not None
+    return MidForwardResult(untracked=losses[False], tracked=losses[True], disabled=tracker.disabled,
+                            attached=tracker.attached, hooks_restored=fsdp_fingerprint(model, opt) == before)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["fsdp1", "fsdp2"])
+def mid_forward(request: pytest.FixtureRequest) -> list[MidForwardResult]:
+    return run_ranks(disable_inside_forward, {"fsdp": request.param})
+
+
+def test_detaching_itself_inside_a_forward_does_not_break_it(mid_forward: list[MidForwardResult],
+                                                               rank: int) -> None:
+    res = mid_forward[rank]
+    assert res.tracked == res.untracked  # no exception reached training, results bit for bit
+    assert res.disabled and not res.attached
+    assert res.hooks_restored
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["fsdp1", "fsdp2"])
 def contained(request: pytest.FixtureRequest) -> list[ContainmentResult]:
     return run_ranks(containment, {"fsdp": request.param})

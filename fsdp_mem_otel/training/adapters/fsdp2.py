@@ -664,7 +664,7 @@ def _begin_hook(sink: EventSink, key: str, first: Callable[[], None],
     ``inputs_seen`` (which never raises) gets the inputs as the module receives them, before
     FSDP's pre-forward."""
 
-    def hook(_module: Any, args: Any, kwargs: Any) -> None:
+    def hook(_module: Any, args: Any, kwargs: Any = None) -> None:  # None: see _inputs_hook
         _guarded(sink, first)
         sink.on_state(key, BEFORE_PRE_FORWARD)
         inputs_seen(key, args, kwargs)
@@ -765,7 +765,10 @@ def _folded_post_hook(sink: EventSink, key: str, fsdp_post: Callable[..., Any]) 
 def _inputs_hook(sink: EventSink, key: str) -> Callable[..., None]:
     """after_pre_forward, with the module's positional and keyword inputs."""
 
-    def hook(_module: Any, args: Any, kwargs: Any) -> None:
+    # ``kwargs`` may be missing: a tracker that detaches itself inside a forward (its error limit
+    # reached) removes this hook's handle, which also forgets that it takes them, and the running
+    # call still holds the hooks it started with
+    def hook(_module: Any, args: Any, kwargs: Any = None) -> None:
         sink.on_state(key, AFTER_PRE_FORWARD, (args, kwargs))
 
     return dynamo_safe(hook)
@@ -775,7 +778,7 @@ def _member_pre_hook(sink: EventSink, key: str, windows: _SharedGroupWindows,
                      first: Callable[[], None]) -> Callable[..., None]:
     """before_pre_forward of a module sharing its FSDP group: also marks where its backward ends."""
 
-    def hook(_module: Any, args: Any, kwargs: Any) -> None:
+    def hook(_module: Any, args: Any, kwargs: Any = None) -> None:  # None: see _inputs_hook
         _guarded(sink, first)
         sink.on_state(key, BEFORE_PRE_FORWARD)
         _guarded(sink, lambda: windows.inputs(key, (args, kwargs)))
