@@ -117,6 +117,76 @@ def upstream_replaces_hooks(opts_dict: dict[str, Any]) -> UpstreamResult:
     return UpstreamResult(missing=missing, counts_after=_hooks(model), before=before, errors=errors)
 
 
+@dataclass(frozen=True)
+class SpanResult:
+    # step -> FSDP module (the model itself aside) -> (state, its group unsharded then) per forward state
+    seen: dict[int, dict[str, list[tuple[str, bool]]]]
+    counts: dict[str, tuple[int, int]]  # hook counts in the last step
+    before: dict[str, tuple[int, int]]
+    counts_after: dict[str, tuple[int, int]]  # after our detach
+    errors: int
+
+
+def upstream_spans_steps(opts_dict: dict[str, Any]) -> SpanResult:
+    """Upstream FSDPMemTracker entered at step 1 and left at step 3 while ours stays attached:
+    FSDP's forward hooks are re-registered twice under ours (upstream's around FSDP's, then FSDP's
+    own again, prepended and appended); from the step after each change, ours must stand around
+    them again. The oracle is FSDP's own state at each state event of ours: a module's group is
+    sharded at before_pre_forward, unsharded at after_pre_forward and before_post_forward, and
+    resharded at after_post_forward (reshard_after_forward=True)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from fsdp_mem_otel.training.adapters.fsdp2 import param_groups
+
+    rank = torch.distributed.get_rank()
+    model, opt = build(BLOCKS, WIDTH, WrapOptions(**opts_dict))
+    train_step(model, opt, make_batch(0, BATCH, WIDTH, rank))
+    before = _hooks(model)
+    groups = {path: param_groups(m)[0] for path, m in model.named_modules() if path and hasattr(m, "_get_fsdp_state")}
+    seen: dict[int, dict[str, list[tuple[str, bool]]]] = {}
+    upstream = FSDPMemTracker(model, opt)
+    with FSDPMemoryTracker(model, opt) as tracker:
+        record = tracker._sink.on_state
+
+        def on_state(key: str, state: str, *args: Any) -> None:
+            if state in _FORWARD and key in groups:
+                seen[step].setdefault(key, []).append((state, groups[key].is_unsharded))
+            record(key, state, *args)
+
+        tracker._sink.on_state = on_state  # type: ignore[method-assign]
+        for step in range(6):
+            if step == 1:
+                upstream.__enter__()
+            elif step == 2:
+                upstream.reset_mod_stats()  # it measures one iteration at a time
+            elif step == 3:
+                upstream.__exit__(None, None, None)
+            seen[step] = {}
+            train_step(model, opt, make_batch(step, BATCH, WIDTH, rank))
+            counts = _hooks(model)
+            tracker.step()
+        errors = tracker.errors_total
+    return SpanResult(seen=seen, counts=counts, before=before, counts_after=_hooks(model), errors=errors)
+
+
+@pytest.fixture(scope="module")
+def spans() -> list[SpanResult]:
+    return run_ranks(upstream_spans_steps, {"fsdp": 2})
+
+
+def test_hooks_of_ours_stand_around_fsdps_again_after_each_change(spans: list[SpanResult], rank: int) -> None:
+    res = spans[rank]
+    expected = list(zip(_FORWARD, [False, True, True, False], strict=True))
+    for step in (0, 2, 4, 5):  # 1 and 3: the steps in which FSDP's hooks changed (logged)
+        assert res.seen[step] and set(res.seen[step]) == set(res.before) - {"<root>"}, step
+        for key, states in res.seen[step].items():
+            assert states == expected, (step, key)
+    for path, (pre, post) in res.before.items():  # FSDP's own again: wrapped in place again
+        assert res.counts[path] == ((pre + 2, post + 2) if path == "<root>" else (pre, post + 1)), path
+    assert res.counts_after == res.before
+    assert res.errors == 0
+
+
 @pytest.fixture(scope="module")
 def upstream() -> list[UpstreamResult]:
     return run_ranks(upstream_replaces_hooks, {"fsdp": 2})

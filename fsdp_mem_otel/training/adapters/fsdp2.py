@@ -21,8 +21,9 @@ Hook points:
   (``fully_shard([a, b])``, another tracker's wrappers, a version that keeps them elsewhere), and
   on the model itself (automatic attachment attaches inside its first forward), four
   hooks of ours stand around them instead, two before and two after (``prepend=True`` runs ours
-  before FSDP's); so they do, from the next step, where someone replaced the wrapped ones after
-  attach (upstream ``FSDPMemTracker`` does: ``_ForwardHooks``).
+  before FSDP's). Where FSDP's hooks change after attach (upstream ``FSDPMemTracker`` re-registers
+  them when it enters and when it leaves) or someone replaces a wrapper of ours, the module's
+  hooks are installed again around them at the step's end (``_ForwardHooks``).
 - backward and communication: per ``FSDPParamGroup`` instance, ``pre_backward``,
   ``post_backward``, ``unshard``, ``wait_for_unshard`` and ``reshard`` are wrapped by instance
   attributes (as upstream ``FSDPMemTracker`` does for the first two). Detach deletes those
@@ -167,7 +168,7 @@ class FSDP2Adapter:
         self._modules = fsdp_module_keys(model, FSDPModule)
         self._handles: list[RemovableHandle] = []
         self._saved: list[_SavedAttr] = []
-        self._forward = _ForwardHooks(sink, self._handles, self._inputs_seen, model)
+        self._forward = _ForwardHooks(sink, self._inputs_seen, model)
         self._accounts: list[_Accounts] = []
         self._mirrors: dict[int, CommMirror] = {}
         self._check_grads = True
@@ -226,14 +227,10 @@ class FSDP2Adapter:
         for keys, _ in groups:
             if len(keys) > 1:
                 shared.update(dict.fromkeys(keys, _SharedGroupWindows(sink)))
-        handles = self._handles  # one at a time: a failing registration leaves the others removable
-        for key, mod in self._modules:
-            member = shared.get(key)
+        for key, mod in self._modules:  # one at a time: a failing registration leaves the others removable
             state = mod._get_fsdp_state()  # type: ignore[operator]
-            begins, ends = partial(self._forward_begins, state), partial(self._forward_ends, state)
-            check = self._forward.install(key, mod, state, member, begins)
-            handles.append(mod.register_forward_hook(_io_hook(sink, key, AFTER_POST_FORWARD, first=ends, then=check),
-                                                     always_call=True))
+            self._forward.install(key, mod, state, shared.get(key), partial(self._forward_begins, state),
+                                  partial(self._forward_ends, state))
         managed: set[int] = set()
         for keys, group in groups:
             managed.update(id(fp.sharded_param) for fp in group.fsdp_params)
@@ -401,82 +398,125 @@ class FSDP2Adapter:
         return sum(acct.fell_back for acct in self._accounts)
 
 
+class _ModuleHooks:
+    """One FSDP module's forward hooks of ours: what ``_ForwardHooks`` installs and takes out."""
+
+    __slots__ = ("begins", "ends", "fsdp_handles", "handles", "key", "live", "member", "mod", "replaced", "state",
+                 "swapped")
+
+    def __init__(self, key: str, mod: nn.Module, state: Any, member: _SharedGroupWindows | None,
+                 begins: Callable[[], None], ends: Callable[[], None]) -> None:
+        self.key, self.mod, self.state, self.member, self.begins, self.ends = key, mod, state, member, begins, ends
+        self.handles: list[RemovableHandle] = []  # hooks of ours on the module, the always-call one included
+        self.swapped: list[_SwappedHook] = []  # FSDP's pre- and post-forward hooks wrapped in place
+        self.live = [True]  # the wrappers report while this holds (one that someone else still calls may not)
+        self.fsdp_handles: tuple[Any, Any] = (None, None)  # FSDP's hook handles when installed
+        self.replaced = False  # a wrapper of ours was found replaced after a forward
+
+
+def _fsdp_handles(state: Any) -> tuple[Any, Any]:
+    return getattr(state, "_pre_forward_hook_handle", None), getattr(state, "_post_forward_hook_handle", None)
+
+
 class _ForwardHooks:
     """An adapter's forward hooks: FSDP's own single-module pre- and post-forward hooks wrapped in
-    their places (``install``), else four hooks of ours around them; the always-call hook that
-    ends each forward is the adapter's. See the module docstring."""
+    their places, else three hooks of ours around them, and an always-call hook of ours after
+    them that ends each forward. See the module docstring.
 
-    def __init__(self, sink: EventSink, handles: list[RemovableHandle],
-                 inputs_seen: Callable[[str, Any, Any], None], model: nn.Module) -> None:
+    At each step's end (``reconcile``), a module whose FSDP hooks were re-registered (new handles:
+    upstream ``FSDPMemTracker`` entering or leaving) or whose wrapped hooks someone replaced gets
+    its hooks installed again, around FSDP's hooks as they are now; that step's forward states of
+    the module may have been missed or misplaced, and a warning says so."""
+
+    def __init__(self, sink: EventSink, inputs_seen: Callable[[str, Any, Any], None], model: nn.Module) -> None:
         self._sink = sink
         # The model itself keeps hooks of ours: automatic attachment attaches inside its first
         # forward and runs the pre-hooks that call can no longer pick up (new ones: integrations/auto.py)
         self._model = model
-        self._handles = handles  # the adapter's: removed at its detach
         self._inputs_seen = inputs_seen
-        self._swapped: list[_SwappedHook] = []
-        #: modules whose wrapped FSDP hooks someone replaced -> (module, begins until ours are added)
-        self._unfolded: dict[str, tuple[nn.Module, Callable[[], None] | None]] = {}
+        self._modules: list[_ModuleHooks] = []
+        self._warned: set[str] = set()
 
     def install(self, key: str, mod: nn.Module, state: Any, member: _SharedGroupWindows | None,
-                begins: Callable[[], None]) -> Callable[[], None] | None:
-        """The states of ``mod``'s forward but the last; returns what the forward's end should
-        call (a check that FSDP's wrapped hooks are still ours), or None."""
-        if member is None and mod is not self._model and self._fold_forward_hooks(mod, state, key, begins):
-            pre = self._swapped[-2]  # our pre-forward wrapper: still there after each forward?
-            return partial(self._check_folded, key, mod, begins, pre.hooks, pre.hook_id, pre.wrapper)
-        self._add_forward_hooks(key, mod, member, begins)
-        return None
+                begins: Callable[[], None], ends: Callable[[], None]) -> None:
+        """Report ``mod``'s four forward states (``begins``/``ends``: the adapter's catching up)."""
+        hooks = _ModuleHooks(key, mod, state, member, begins, ends)
+        self._modules.append(hooks)  # first: a failure half-way leaves what it installed removable
+        self._install(hooks)
 
     def reconcile(self) -> None:
-        """At a step's end: hooks of ours for modules whose wrapped FSDP hooks were replaced."""
-        for key, (mod, begins) in list(self._unfolded.items()):
-            if begins is not None:  # once (see _check_folded)
-                self._add_forward_hooks(key, mod, None, begins)
-                self._unfolded[key] = (mod, None)
+        """At a step's end: install again the hooks of modules whose FSDP hooks changed since."""
+        changed = []
+        for hooks in self._modules:
+            handles = _fsdp_handles(hooks.state)
+            if hooks.replaced or handles[0] is not hooks.fsdp_handles[0] or handles[1] is not hooks.fsdp_handles[1]:
+                changed.append(hooks.key)
+                self._uninstall(hooks)
+                self._install(hooks)
+        new = [key for key in changed if key not in self._warned]
+        if new:
+            self._warned.update(new)
+            logger.warning("fsdp_mem_otel: FSDP's forward hooks of %d module(s) (%s) changed since attach (another "
+                           "memory tracker?); this step's forward states of them may be missing or misplaced, the "
+                           "next steps' are taken around the hooks as they are now", len(new), ", ".join(new[:5]))
 
     def restore(self) -> None:
-        """Put FSDP's hooks back where our wrappers still stand (detach)."""
-        for swapped in reversed(self._swapped):
-            if swapped.hooks.get(swapped.hook_id) is swapped.wrapper:  # else someone replaced ours
-                swapped.hooks[swapped.hook_id] = swapped.original
-        self._swapped.clear()
-        self._unfolded.clear()
+        """Take every hook of ours out and put FSDP's back where our wrappers still stand (detach)."""
+        for hooks in self._modules:
+            self._uninstall(hooks)
+        self._modules.clear()
 
-    def _add_forward_hooks(self, key: str, mod: nn.Module, member: _SharedGroupWindows | None,
-                           begins: Callable[[], None]) -> None:
+    def _install(self, hooks: _ModuleHooks) -> None:
+        hooks.fsdp_handles = _fsdp_handles(hooks.state)
+        hooks.replaced = False
+        check: Callable[[], None] | None = None
+        if hooks.member is None and hooks.mod is not self._model and self._fold(hooks):
+            check = partial(self._check_folded, hooks, *hooks.swapped)
+        else:
+            self._add_forward_hooks(hooks)
+        hooks.handles.append(hooks.mod.register_forward_hook(
+            _io_hook(self._sink, hooks.key, AFTER_POST_FORWARD, first=hooks.ends, then=check), always_call=True))
+
+    def _uninstall(self, hooks: _ModuleHooks) -> None:
+        hooks.live[0] = False  # a wrapper someone else still calls (wrapped in theirs) passes through
+        hooks.live = [True]
+        for h in hooks.handles:
+            h.remove()
+        hooks.handles.clear()
+        for swapped in reversed(hooks.swapped):
+            if swapped.hooks.get(swapped.hook_id) is swapped.wrapper:
+                swapped.hooks[swapped.hook_id] = swapped.original
+        hooks.swapped.clear()
+
+    def _add_forward_hooks(self, hooks: _ModuleHooks) -> None:
         """Hooks of ours around FSDP's forward hooks where they are not wrapped in place: before
-        (``prepend``) and after its pre-hook, and before its post-hook (the caller adds the
-        always-call one after it)."""
-        sink, handles = self._sink, self._handles
-        if member is None:
+        (``prepend``) and after its pre-hook, and before its post-hook (the always-call one comes
+        after it)."""
+        sink, key, mod, handles = self._sink, hooks.key, hooks.mod, hooks.handles
+        if hooks.member is None:
             handles.append(mod.register_forward_pre_hook(
-                _begin_hook(sink, key, begins, self._inputs_seen), prepend=True, with_kwargs=True))
+                _begin_hook(sink, key, hooks.begins, self._inputs_seen), prepend=True, with_kwargs=True))
         else:  # also sees the inputs, before FSDP's pre-forward wraps them
-            handles.append(mod.register_forward_pre_hook(_member_pre_hook(sink, key, member, begins),
+            handles.append(mod.register_forward_pre_hook(_member_pre_hook(sink, key, hooks.member, hooks.begins),
                                                          prepend=True, with_kwargs=True))
         handles.append(mod.register_forward_pre_hook(_inputs_hook(sink, key), with_kwargs=True))
-        handles.append(mod.register_forward_hook(_io_hook(sink, key, BEFORE_POST_FORWARD, windows=member),
+        handles.append(mod.register_forward_hook(_io_hook(sink, key, BEFORE_POST_FORWARD, windows=hooks.member),
                                                  prepend=True))
 
-    def _check_folded(self, key: str, mod: nn.Module, begins: Callable[[], None], pre_hooks: dict[int, Any],
-                      pre_id: int, pre_wrapper: Any) -> None:
+    @staticmethod
+    def _check_folded(hooks: _ModuleHooks, pre: _SwappedHook, post: _SwappedHook) -> None:
         # After each forward of a module whose FSDP hooks we wrapped in place: still ours? Someone
-        # may have replaced FSDP's hooks since (upstream FSDPMemTracker re-registers them), and
-        # that forward's earlier states went unseen: hooks of ours take over at the step's end
-        # (not here: adding forward hooks while they run changes the dict being walked).
-        if pre_hooks.get(pre_id) is not pre_wrapper and key not in self._unfolded:
-            self._unfolded[key] = (mod, begins)
-            logger.warning("fsdp_mem_otel: FSDP's forward hooks of %s were replaced since attach (another "
-                           "memory tracker?); its forward states are taken by hooks of ours from the next "
-                           "step", key)
+        # may have replaced them since, and that forward's states went unseen: its hooks are
+        # installed again at the step's end (not here: the dicts are being walked).
+        if pre.hooks.get(pre.hook_id) is not pre.wrapper or post.hooks.get(post.hook_id) is not post.wrapper:
+            hooks.replaced = True
 
-    def _fold_forward_hooks(self, mod: nn.Module, state: Any, key: str, begins: Callable[[], None]) -> bool:
-        """Replace FSDP's single-module pre- and post-forward hooks of ``mod`` by wrappers that
+    def _fold(self, hooks: _ModuleHooks) -> bool:
+        """Replace FSDP's single-module pre- and post-forward hooks of the module by wrappers that
         report the states before and after each; False (nothing replaced) where they are not
         where FSDP 2.13/2.14 keeps them."""
-        pre_handle = getattr(state, "_pre_forward_hook_handle", None)
-        post_handle = getattr(state, "_post_forward_hook_handle", None)
+        mod, state, key = hooks.mod, hooks.state, hooks.key
+        pre_handle, post_handle = hooks.fsdp_handles
         if pre_handle is None or post_handle is None or pre_handle is post_handle:
             return False  # fully_shard([a, b]) registers one handle for the group's hooks
         pre, post = mod._forward_pre_hooks.get(pre_handle.id), mod._forward_hooks.get(post_handle.id)
@@ -486,13 +526,13 @@ class _ForwardHooks:
                 or post_handle.id in mod._forward_hooks_with_kwargs
                 or post_handle.id in mod._forward_hooks_always_called):
             return False  # not FSDP's own there (another tracker's wrapper: ours go around it)
-        for hooks, hook_id, original, wrapper in (
-            (mod._forward_pre_hooks, pre_handle.id, pre, _folded_pre_hook(self._sink, key, pre, begins,
-                                                                          self._inputs_seen)),
-            (mod._forward_hooks, post_handle.id, post, _folded_post_hook(self._sink, key, post)),
+        for dicts, hook_id, original, wrapper in (
+            (mod._forward_pre_hooks, pre_handle.id, pre, _folded_pre_hook(self._sink, key, pre, hooks.begins,
+                                                                          self._inputs_seen, hooks.live)),
+            (mod._forward_hooks, post_handle.id, post, _folded_post_hook(self._sink, key, post, hooks.live)),
         ):
-            self._swapped.append(_SwappedHook(hooks, hook_id, original, wrapper))
-            hooks[hook_id] = wrapper
+            hooks.swapped.append(_SwappedHook(dicts, hook_id, original, wrapper))
+            dicts[hook_id] = wrapper
         return True
 
 
@@ -735,12 +775,14 @@ class _InputGradEnds:
 
 
 def _folded_pre_hook(sink: EventSink, key: str, fsdp_pre: Callable[..., Any], first: Callable[[], None],
-                     inputs_seen: Callable[[str, Any, Any], None]) -> Callable[..., Any]:
+                     inputs_seen: Callable[[str, Any, Any], None], live: list[bool]) -> Callable[..., Any]:
     """FSDP's pre-forward hook ``fsdp_pre`` between before_pre_forward (after ``first``, the
     adapter's catching up; ``inputs_seen`` gets the inputs as the module receives them) and
-    after_pre_forward (with the inputs FSDP hands on)."""
+    after_pre_forward (with the inputs FSDP hands on); only ``fsdp_pre`` once ``live[0]`` is False."""
 
     def hook(module: Any, args: Any, kwargs: Any) -> Any:
+        if not live[0]:
+            return fsdp_pre(module, args, kwargs)
         _guarded(sink, first)
         sink.on_state(key, BEFORE_PRE_FORWARD)
         inputs_seen(key, args, kwargs)
@@ -751,12 +793,14 @@ def _folded_pre_hook(sink: EventSink, key: str, fsdp_pre: Callable[..., Any], fi
     return dynamo_safe(hook)
 
 
-def _folded_post_hook(sink: EventSink, key: str, fsdp_post: Callable[..., Any]) -> Callable[..., Any]:
+def _folded_post_hook(sink: EventSink, key: str, fsdp_post: Callable[..., Any], live: list[bool]) -> Callable[..., Any]:
     """before_post_forward with the module's outputs, then FSDP's post-forward hook ``fsdp_post``
-    (after_post_forward is the ``always_call`` hook after it)."""
+    (after_post_forward is the ``always_call`` hook after it); only ``fsdp_post`` once ``live[0]``
+    is False."""
 
     def hook(module: Any, args: Any, outputs: Any) -> Any:
-        sink.on_state(key, BEFORE_POST_FORWARD, outputs)
+        if live[0]:
+            sink.on_state(key, BEFORE_POST_FORWARD, outputs)
         return fsdp_post(module, args, outputs)
 
     return dynamo_safe(hook)
