@@ -63,6 +63,21 @@ def _unpack(packed: Any) -> torch.Tensor:
     return t  # type: ignore[no-any-return]
 
 
+def _remove_hooks(pack: Callable[[torch.Tensor], Any]) -> None:
+    """Take the hooks whose pack is ``pack`` off this thread's stack, putting back, in order,
+    those pushed above them since (none found: the stack as it was)."""
+    above: list[tuple[Any, Any]] = []
+    try:
+        while (top := _top_hooks(True)) is not None:
+            _pop_hooks()
+            if top[0] is pack:
+                break
+            above.append(top)
+    finally:
+        for their_pack, their_unpack in reversed(above):
+            _push_hooks(their_pack, their_unpack)
+
+
 class SavedTensorAccounting:
     """Pushes accounting saved-tensor hooks for one forward at a time; never raises."""
 
@@ -79,10 +94,12 @@ class SavedTensorAccounting:
     def active(self) -> bool:
         return self._pushed is not None
 
-    def push(self) -> None:
-        """Start accounting saved tensors on this thread (the outermost forward begins)."""
+    def push(self) -> bool:
+        """Start accounting saved tensors on this thread (the outermost forward begins); returns
+        whether this call pushed the hooks (False: pushed already, or the push failed), so that
+        only the caller that pushed them pops them."""
         if self._pushed is not None:
-            return
+            return False
         try:
             top = _top_hooks(True)
             if top is None:
@@ -91,23 +108,28 @@ class SavedTensorAccounting:
                 pack, unpack = self._chain(*top), top[1]
             _push_hooks(pack, unpack)
             self._pushed = pack
+            return True
         except Exception as exc:  # noqa: BLE001 - e.g. saved-tensor hooks disabled by the caller
             self._on_error(exc)
+            return False
 
     def pop(self) -> None:
-        """Stop accounting (the outermost forward ended or raised); a no-op if not pushed or if
-        someone else's hooks are on top (those are theirs to pop)."""
+        """Stop accounting (the outermost forward ended or raised); a no-op if not pushed. Where
+        hooks were pushed above ours since and are still there (a checkpointed region, the
+        user's ``save_on_cpu``, left open when the tracker detaches or a scope ends), ours are
+        taken out from under them and theirs stay, in order: left behind, ours would run on
+        every later forward of the thread."""
         pack, self._pushed = self._pushed, None
         if pack is None:
             return
         try:
-            top = _top_hooks(True)
-            if top is not None and top[0] is pack:
-                _pop_hooks()
+            _remove_hooks(pack)
         except Exception as exc:  # noqa: BLE001
             self._on_error(exc)
 
     def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int] | torch.Tensor:
+        if self._pushed is None:  # popped, yet still called: account nothing
+            return t if t.is_leaf else t.detach()
         try:
             cls = type(t)  # the common cases (an activation, an unsharded weight), written out
             if (cls is torch.Tensor or cls is _Parameter) and t.layout is _STRIDED:
@@ -135,6 +157,8 @@ class SavedTensorAccounting:
 
         def pack(t: torch.Tensor) -> Any:
             packed = their_pack(t)
+            if self._pushed is None:  # popped, yet still called: theirs alone
+                return packed
             try:  # what is saved (alive as long as someone holds it) and what they keep of it
                 owner = owners[-1] if owners else None
                 ledger.track_new(t, ACTIVATION, owner)

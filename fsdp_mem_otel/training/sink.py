@@ -82,6 +82,7 @@ class Sink:
         self.activations = SavedTensorAccounting(ledger, on_error, self.modules)
         self._recompute_activations = SavedTensorAccounting(ledger, on_error, self.modules)
         self._forward_depth = 0  # nesting of FSDP forwards now running (outside backward)
+        self._forward_pushed = False  # the outermost forward pushed the saved-tensor hooks
         self._recompute_depth = 0  # nesting of FSDP forwards recomputed in backward
         self._on_state_seconds = 0.0
         self._record_state = recorder.on_state
@@ -99,6 +100,7 @@ class Sink:
         self.activations.pop()
         self._recompute_activations.pop()
         self._forward_depth = self._recompute_depth = 0
+        self._forward_pushed = False
         self._outputs = None
         self.modules.clear()
         self._on_state_seconds = self.ledger.replay_seconds = 0.0
@@ -231,12 +233,14 @@ class Sink:
                 self.forward_pending = False
                 self.on_forward()
             if not self.deep and self._activations_on:
-                self.activations.push()
+                # not when ``tracker.saved_activations()`` pushed them already: that scope pops them
+                self._forward_pushed = self.activations.push()
 
     def _forward_ends(self) -> None:
         if self._forward_depth > 0:
             self._forward_depth -= 1
-        if self._forward_depth == 0:
+        if self._forward_depth == 0 and self._forward_pushed:
+            self._forward_pushed = False
             self.activations.pop()
 
     # -- bytes -----------------------------------------------------------------------------------

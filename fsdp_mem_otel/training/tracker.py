@@ -259,13 +259,11 @@ class FSDPMemoryTracker:
         outside any FSDP module's forward, such as a loss computed after the model
         (``with tracker.saved_activations(): loss = loss_fn(pred, labels)``)."""
         acts = self._sink.activations
-        push = self.attached and not self._deep.active and self.config.activations and not acts.active
-        if push:
-            acts.push()
+        pushed = self.attached and not self._deep.active and self.config.activations and acts.push()
         try:
             yield
         finally:
-            if push:
+            if pushed:
                 acts.pop()
 
     def add_optimizer(self, optimizer: Any) -> None:

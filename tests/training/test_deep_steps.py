@@ -63,6 +63,8 @@ def test_a_compiled_caller_keeps_the_step_light_and_says_why() -> None:
     deep.end()
     deep.begin(2)  # known now: skipped before any forward
     assert not sink.forward_pending and deep.skipped == DEEP_SKIPPED_COMPILED
+    sink.end_step()  # as step() does: the light step's saved-tensor hooks, pushed at its first state, go
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
 
 
 def test_compiled_regions_skip_or_run_eagerly_on_request() -> None:

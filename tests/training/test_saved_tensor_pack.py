@@ -25,14 +25,41 @@ def test_leaves_go_as_they_are_and_the_rest_as_detached_aliases() -> None:
     w = torch.randn(16, 16, requires_grad=True)
     x = torch.randn(4, 16)
     h = torch.randn(4, 16, requires_grad=True) * 2  # not a leaf
-    assert acct._pack(w) == (w, w._version)
-    assert acct._pack(x)[0] is x
-    alias, version = acct._pack(h)  # type: ignore[misc]
+    assert acct.push()
+    try:
+        assert acct._pack(w) == (w, w._version)
+        assert acct._pack(x)[0] is x
+        alias, version = acct._pack(h)  # type: ignore[misc]
+    finally:
+        acct.pop()
     assert alias is not h and alias.grad_fn is None and version == h._version
     assert alias.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()
     assert not errors
     # each storage counted once, as an activation (w and x are not known to the ledger otherwise)
     assert ledger.category_bytes(ACTIVATION) == (16 * 16 + 4 * 16 + 4 * 16) * 4
+
+
+def test_a_pack_that_runs_after_its_pop_accounts_nothing() -> None:
+    ledger, acct, errors = _accounting()
+    h = torch.randn(4, 16, requires_grad=True) * 2
+    saved = acct._pack(h)  # popped (never pushed here), yet called: as a hook left behind would be
+    assert saved is not h and saved.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()
+    assert len(ledger) == 0 and ledger.category_bytes(ACTIVATION) == 0 and not errors
+
+
+def test_pop_takes_ours_out_from_under_hooks_pushed_since() -> None:
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+    _, acct, errors = _accounting()
+
+    def theirs_pack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    assert top(True) is None
+    assert acct.push()
+    with torch.autograd.graph.saved_tensors_hooks(theirs_pack, theirs_pack):
+        acct.pop()  # ours are under theirs now
+        assert top(True) == (theirs_pack, theirs_pack)  # theirs stay on top, until they pop them
+    assert top(True) is None and not errors  # and nothing of ours is left
 
 
 def test_gradients_equal_untracked_ones() -> None:
