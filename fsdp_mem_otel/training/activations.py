@@ -44,6 +44,7 @@ _ACTIVATION = INDEX[ACTIVATION]
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+_hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled  # type: ignore[attr-defined]
 
 
 def _unpack(packed: Any) -> torch.Tensor:
@@ -65,7 +66,13 @@ def _unpack(packed: Any) -> torch.Tensor:
 
 def _remove_hooks(pack: Callable[[torch.Tensor], Any]) -> None:
     """Take the hooks whose pack is ``pack`` off this thread's stack, putting back, in order,
-    those pushed above them since (none found: the stack as it was)."""
+    those pushed above them since (none found: the stack as it was). Where pushing is disabled
+    (AOTAutograd's runtime, ``torch.func``), only from the top: theirs could not be put back."""
+    top = _top_hooks(True)
+    if top is None or top[0] is pack or not _hooks_enabled():
+        if top is not None and top[0] is pack:
+            _pop_hooks()
+        return
     above: list[tuple[Any, Any]] = []
     try:
         while (top := _top_hooks(True)) is not None:
@@ -118,7 +125,9 @@ class SavedTensorAccounting:
         hooks were pushed above ours since and are still there (a checkpointed region, the
         user's ``save_on_cpu``, left open when the tracker detaches or a scope ends), ours are
         taken out from under them and theirs stay, in order: left behind, ours would run on
-        every later forward of the thread."""
+        every later forward of the thread. Hooks live per thread: popped from another thread
+        (a detach there), or where theirs could not be put back, ours stay where they are and
+        only hand tensors over, accounting nothing."""
         pack, self._pushed = self._pushed, None
         if pack is None:
             return
@@ -128,19 +137,20 @@ class SavedTensorAccounting:
             self._on_error(exc)
 
     def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int] | torch.Tensor:
-        if self._pushed is None:  # popped, yet still called: account nothing
-            return t if t.is_leaf else t.detach()
-        try:
-            cls = type(t)  # the common cases (an activation, an unsharded weight), written out
-            if (cls is torch.Tensor or cls is _Parameter) and t.layout is _STRIDED:
-                st = t.untyped_storage()
-                if id(st) not in self._entries:
-                    owners = self._owners
-                    self._ledger._new_entry(st, _ACTIVATION, None, owners[-1] if owners else None)
-            else:
-                self._ledger.track_new(t, ACTIVATION, self._owners[-1] if self._owners else None)
-        except Exception as exc:  # noqa: BLE001 - accounting must never break autograd
-            self._on_error(exc)
+        # Popped, yet still called (left on a stack ``pop`` could not reach: see there): account
+        # nothing, but hand over as ever, the version check included.
+        if self._pushed is not None:
+            try:
+                cls = type(t)  # the common cases (an activation, an unsharded weight), written out
+                if (cls is torch.Tensor or cls is _Parameter) and t.layout is _STRIDED:
+                    st = t.untyped_storage()
+                    if id(st) not in self._entries:
+                        owners = self._owners
+                        self._ledger._new_entry(st, _ACTIVATION, None, owners[-1] if owners else None)
+                else:
+                    self._ledger.track_new(t, ACTIVATION, self._owners[-1] if self._owners else None)
+            except Exception as exc:  # noqa: BLE001 - accounting must never break autograd
+                self._on_error(exc)
         # A saved output held as itself would tie it to its own grad_fn, a cycle through C++ that
         # keeps it alive when a graph is dropped without backward: hand autograd a detached alias
         # (it shares the version counter). A leaf (a parameter, an input) has no grad_fn to tie:

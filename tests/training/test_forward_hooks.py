@@ -177,7 +177,7 @@ def spans() -> list[SpanResult]:
 def test_hooks_of_ours_stand_around_fsdps_again_after_each_change(spans: list[SpanResult], rank: int) -> None:
     res = spans[rank]
     expected = list(zip(_FORWARD, [False, True, True, False], strict=True))
-    for step in (0, 2, 4, 5):  # 1 and 3: the steps in which FSDP's hooks changed (logged)
+    for step in (0, 2, 4, 5):  # 1 and 3: the steps in which FSDP's hooks changed (the first logged)
         assert res.seen[step] and set(res.seen[step]) == set(res.before) - {"<root>"}, step
         for key, states in res.seen[step].items():
             assert states == expected, (step, key)

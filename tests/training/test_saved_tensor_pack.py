@@ -42,8 +42,9 @@ def test_leaves_go_as_they_are_and_the_rest_as_detached_aliases() -> None:
 def test_a_pack_that_runs_after_its_pop_accounts_nothing() -> None:
     ledger, acct, errors = _accounting()
     h = torch.randn(4, 16, requires_grad=True) * 2
-    saved = acct._pack(h)  # popped (never pushed here), yet called: as a hook left behind would be
+    saved, version = acct._pack(h)  # type: ignore[misc] # popped (never pushed here), yet called
     assert saved is not h and saved.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()
+    assert version == h._version  # autograd's check still made at unpack
     assert len(ledger) == 0 and ledger.category_bytes(ACTIVATION) == 0 and not errors
 
 
@@ -137,3 +138,49 @@ def test_a_saved_tensor_changed_in_place_raises_as_it_does_untracked(case: str) 
     with pytest.raises(RuntimeError, match="modified by an inplace operation") as tracked:
         _modified_saved_tensor(True, case)
     assert "is at version" in str(untracked.value) and "is at version" in str(tracked.value)
+
+
+def test_popped_from_another_thread_ours_stay_and_keep_autograds_check() -> None:
+    """Hooks live per thread: a pop on another thread (a detach there) cannot take ours off this
+    thread's stack. Left there, they account nothing and still raise autograd's error for a saved
+    tensor changed in place, as without any hooks."""
+    import threading
+
+    ledger, acct, errors = _accounting()
+    assert acct.push()
+    try:
+        worker = threading.Thread(target=acct.pop)
+        worker.start()
+        worker.join()
+        x = torch.ones(3, requires_grad=True)
+        y = x.exp()  # saves its output
+        y.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+        assert len(ledger) == 0 and not errors
+    finally:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        if top is not None and getattr(top[0], "__self__", None) is acct:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+
+
+def test_pop_where_pushing_is_disabled_leaves_the_stack_to_its_owners() -> None:
+    """Inside AOTAutograd's runtime or torch.func, hooks cannot be pushed: taking ours from under
+    others' would lose theirs. Ours stay (accounting nothing) and theirs pop as they expect."""
+    _, acct, errors = _accounting()
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+    assert acct.push()
+    try:
+        with torch.autograd.graph.save_on_cpu():
+            torch._C._autograd._saved_tensors_hooks_disable("disabled here", False)
+            try:
+                acct.pop()
+            finally:
+                torch._C._autograd._saved_tensors_hooks_enable()
+            assert top(True) is not None and getattr(top(True)[0], "__self__", None) is not acct  # theirs, on top
+        assert not errors  # and save_on_cpu's exit popped its own
+    finally:
+        left = top(True)
+        if left is not None and getattr(left[0], "__self__", None) is acct:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+    assert top(True) is None

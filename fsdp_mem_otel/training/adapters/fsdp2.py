@@ -426,7 +426,8 @@ class _ForwardHooks:
     At each step's end (``reconcile``), a module whose FSDP hooks were re-registered (new handles:
     upstream ``FSDPMemTracker`` entering or leaving) or whose wrapped hooks someone replaced gets
     its hooks installed again, around FSDP's hooks as they are now; that step's forward states of
-    the module may have been missed or misplaced, and a warning says so."""
+    the module may have been missed or misplaced, and a warning says so (the first time for each
+    module)."""
 
     def __init__(self, sink: EventSink, inputs_seen: Callable[[str, Any, Any], None], model: nn.Module) -> None:
         self._sink = sink
@@ -451,8 +452,12 @@ class _ForwardHooks:
             handles = _fsdp_handles(hooks.state)
             if hooks.replaced or handles[0] is not hooks.fsdp_handles[0] or handles[1] is not hooks.fsdp_handles[1]:
                 changed.append(hooks.key)
-                self._uninstall(hooks)
-                self._install(hooks)
+                try:
+                    self._uninstall(hooks)
+                    self._install(hooks)
+                except Exception as exc:  # noqa: BLE001 - the other modules still get theirs
+                    hooks.replaced = True  # tried again at the next step's end
+                    self._sink.report_error(exc)
         new = [key for key in changed if key not in self._warned]
         if new:
             self._warned.update(new)
