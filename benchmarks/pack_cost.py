@@ -45,6 +45,7 @@ def main() -> None:
     ledger = Ledger()
     ledger.defer(True)  # as in light mode: changes are queued, replayed when read
     acts = SavedTensorAccounting(ledger, lambda exc: None, ["layers.0"])
+    acts.push()  # as in a forward: a pack accounts only while its hooks are pushed
     act = INDEX["activation"]
     weight = torch.ones(4, requires_grad=True)
 
@@ -92,6 +93,7 @@ def main() -> None:
         ("Ledger._new_entry, a new storage", best_ns(entries_all, lambda: [t.untyped_storage() for t in non_leaves()],
                                                      args.repeat)),
     ]
+    acts.pop()
     print(f"torch {torch.__version__}; ns per call, best of {args.repeat} loops of {args.n}:")
     for name, ns in rows:
         print(f"  {name:<36} {ns:8.0f}")
