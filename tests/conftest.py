@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.dist import RANKS, run_ranks
 from tests.scenarios import FSDP1_ONLY, SCENARIOS, RunResult, run_configs
+
+
+@pytest.fixture(autouse=True)
+def _no_saved_tensor_hooks_left() -> Iterator[None]:
+    """No test leaves saved-tensor hooks pushed on the test process's thread: the tracker's would
+    run in every later test (checked only where a test imported torch)."""
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+        torch._C._autograd._pop_saved_tensors_default_hooks()  # the next test starts clean
+        pytest.fail("saved-tensor hooks left pushed on the test process's thread")
 
 
 def _configs(fsdp: int) -> dict[str, dict[str, Any]]:
