@@ -151,6 +151,8 @@ def test_failures_are_contained_and_inactive_sinks_do_nothing() -> None:
     sink.track(torch.empty(10), ACTIVATION)
     sink.on_state("<root>", AFTER_POST_FORWARD)
     assert ledger.current == {} and len(errors) == 1
+    sink.end_step()  # as detach does: the hooks the first state pushed go with it
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
 
 
 def test_a_backends_own_buffer_ends_with_the_post_backward() -> None:
