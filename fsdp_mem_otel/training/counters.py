@@ -20,7 +20,9 @@ place each update touched counters, window peaks and sets that training's data h
 the CPU caches; replayed together they stay warm. Every reading method flushes first, so a reader
 sees what an immediate ledger would have shown. The recorder's events take no snapshot in this
 replay: it hands each replayed part of the log on (``retain``), and the step's
-``recorder.StepReplay`` replays it again for the module snapshots when a report is read.
+``recorder.StepReplay`` replays it again for the module snapshots when a report is read. A
+step that logs what an earlier one did, from the same counters or counters apart by a constant,
+is not replayed again: the ``memo`` (``replay_memo.ReplayMemo``) puts back what that replay left.
 Knows no torch.
 """
 
@@ -135,12 +137,15 @@ class Counters:
         self.on_replay_error: Callable[[BaseException], None] | None = None
         #: where each replay hands what it replayed (``retain``), or None
         self._retained: Callable[[list[Any]], None] | None = None
+        #: reuses a step's replay where a step logs the same (``replay_memo.ReplayMemo``), or None
+        self.memo: Any = None
 
     def defer(self, on: bool) -> None:
         """Queue changes until they are read (``on``) or apply them at once; never while a
         ``window_watch`` reads the allocator at each window edge (that must happen in time)."""
         self.flush()
         self.pending = [] if on and self.window_watch is None else None
+        self._outside_replay()
 
     def watch_windows(self, watch: Any) -> None:
         """Tell ``watch`` (or None) of every window edge; a watch turns deferral off."""
@@ -168,10 +173,15 @@ class Counters:
         pending = self.pending
         if not pending or self._replaying:
             return
+        memo = self.memo
+        if memo is not None and memo.reuse(pending):
+            return
         self._replaying = True
         started = time.perf_counter()
         cur, step, windows, offer = self._cur, self._step, self._windows, self.offer_on_add
         failures: list[Exception] = []
+        events: list[int] = []  # where each event starts (the memo reads them)
+        done = False
         i = 0
         try:
             # One list, consumed from the front: a change queued meanwhile (a free on another
@@ -205,16 +215,21 @@ class Counters:
                     else:
                         n = pending[i + 1]
                         i += 2 + n
+                        events.append(at)
                         head(*pending[i - n:i])
                 except Exception as exc:  # noqa: BLE001 - replay the rest
                     failures.append(exc)
                     if i == at:  # not an entry's head: where the next one starts is unknown
                         i = len(pending)
+            done = True
         finally:
+            part = pending[:i]
             if self._retained is not None and i:
-                self._retained(pending[:i])
+                self._retained(part)
             del pending[:i]
             self._replaying = False
+            if memo is not None and i:
+                memo.learned(part, events, bool(failures) or not done)
             self.replay_seconds += time.perf_counter() - started
         if failures:
             if self.on_replay_error is None:
@@ -223,7 +238,8 @@ class Counters:
                 self.on_replay_error(err)
 
     def queue(self, event: Callable[..., None], *args: Any) -> None:
-        """``event(*args)`` now, or at the next replay where changes are deferred."""
+        """``event(*args)`` now, or at the next replay where changes are deferred. An event's last
+        argument, where it has any, is its time (``time.time_ns()``): the memo compares the rest."""
         pending = self.pending
         if pending is None:
             event(*args)
@@ -266,6 +282,7 @@ class Counters:
     def offer_current(self) -> None:
         """Make the current counters a peak candidate for the step and the innermost window."""
         self.flush()
+        self._outside_replay()
         inner = self._windows[-1] if self._windows else None
         for device, cats in self._cur.items():
             self._step.offer(device, cats[_T])
@@ -276,8 +293,9 @@ class Counters:
     def open_window(self, totals_only: bool = False) -> None:
         """Start a nested peak window (a module's forward or backward); ``totals_only``: keep its
         largest totals alone (``close_window_total``), no counters."""
-        if self.pending and not self._replaying:  # the replay's own events: no call
+        if not self._replaying:  # the replay's own events: no call
             self.flush()
+            self._outside_replay()
         if self._windows:
             self._windows[-1].settle(self._cur)  # it stops receiving offers now
         if self.window_watch is not None:
@@ -330,8 +348,9 @@ class Counters:
     def _close_window(self, index: int) -> _Window | None:
         # End the window at ``index`` (-1: the innermost), folding what the windows opened after it
         # have seen into it, and it into the enclosing one; None when no window is open.
-        if self.pending and not self._replaying:  # the replay's own events: no call
+        if not self._replaying:  # the replay's own events: no call
             self.flush()
+            self._outside_replay()
         windows = self._windows
         if not windows:
             return None
@@ -394,3 +413,10 @@ class Counters:
         self.flush()
         self._step = _Window(self._cur)
         self._windows.clear()
+        if self.memo is not None:
+            self.memo.new_step()
+
+    def _outside_replay(self) -> None:
+        # the counters' windows change outside a replay: this step's replays are not what the memo knows
+        if self.memo is not None:
+            self.memo.skip_step()

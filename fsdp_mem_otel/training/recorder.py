@@ -43,6 +43,7 @@ from fsdp_mem_otel.schema import (
     largest_total,
 )
 from fsdp_mem_otel.training.counters import INDEX, Counters, RawBreakdown, Snap
+from fsdp_mem_otel.training.replay_memo import ReplayMemo
 
 logger = logging.getLogger(__name__)
 
@@ -178,11 +179,15 @@ class StepRecorder:
     def __init__(self, ledger: Counters, context: StepContext | None = None) -> None:
         self.ledger = ledger
         self.context = context if context is not None else StepContext()
+        #: reuses a light step's replay where the next step logs the same (``replay_memo``)
+        self.memo = ReplayMemo(ledger, self)
         self.reset()
+        ledger.memo = self.memo  # after the first reset: what was pending before is not this recorder's
 
     def reset(self) -> None:
         """Start a new step: no snapshots, no open windows, phase idle."""
         self.ledger.flush()  # what is pending belongs to the step that ends
+        self.memo.new_step()
         # per snapshot, in order: module key, state, counters, time_ns (parallel lists, no
         # container per snapshot; only ever appended to); the step's module reports read them
         self._keys: list[str] = []
@@ -287,14 +292,15 @@ class StepRecorder:
 
     def close_open_windows(self) -> None:
         """Close every window still open (step end), innermost first."""
-        self.ledger.queue(self._close_all)  # an event of the log where it defers: replayed in its place
+        # an event of the log where it defers, replayed in its place (its time last, as every event's)
+        self.ledger.queue(self._close_all, time.time_ns())
         self.ledger.flush()
 
-    def _close_all(self) -> None:
+    def _close_all(self, t: int | None = None) -> None:
         target = self._target()
         while self.windows:
             key, peak_state = self.windows.pop()
-            self._append(key, peak_state, target.close_window_raw())
+            self._append(key, peak_state, target.close_window_raw(), t)
 
     def _target(self) -> Any:
         """What snapshots are taken of and windows opened on: while a deferring ledger replays
@@ -306,6 +312,7 @@ class StepRecorder:
                 return self._totals
             self._replay = None  # this step's reports take their snapshots here: no replay
             ledger.retain(None)
+            self.memo.skip_step()
         return ledger
 
     def _append(self, key: str, state: str, snap: Snap, t: int | None = None) -> None:
@@ -313,6 +320,13 @@ class StepRecorder:
         self._states.append(state)
         self._snaps.append(snap)
         self._times.append(time.time_ns() if t is None else t)
+
+    @property
+    def fresh(self) -> bool:
+        """A light step as ``reset()`` began it: nothing recorded, no window open, phase idle."""
+        ctx = self.context
+        return (self._replay is not None and not self._keys and not self.windows and self._ac_key is None
+                and ctx.phase == IDLE and not ctx.in_ac_recompute and ctx.backend_buffers is None)
 
     @property
     def logged(self) -> list[tuple[str, str]]:

@@ -63,9 +63,11 @@ def _same(sinks: list[Sink]) -> None:
     assert later.ledger.category_bytes(ACTIVATION) == now.ledger.category_bytes(ACTIVATION)
 
 
-def _random_step(sinks: list[Sink], rng: random.Random, blocks: int, read_every: int) -> None:
+def _random_step(sinks: list[Sink], rng: random.Random, blocks: int, read_every: int,
+                 second_device: bool = False) -> None:
     """One step of a nested model: forward (inputs, saved and freed tensors, all-gathers, temps),
-    backward (grads, reduce-scatters, a group's windows ended out of order), reads in between."""
+    backward (grads, reduce-scatters, a group's windows ended out of order), reads in between;
+    ``second_device``: an integer account on another device as well, up and down."""
     alive: list[torch.Tensor] = []
     events = 0
 
@@ -90,6 +92,10 @@ def _random_step(sinks: list[Sink], rng: random.Random, blocks: int, read_every:
     for key in keys:
         each(lambda s, k=key: s.on_state(k, BEFORE_PRE_FORWARD))
         each(lambda s: s.add("cpu", INDEX[ALL_GATHER], 512))
+        if second_device:
+            n = rng.randint(1, 9) * 512
+            each(lambda s, n=n: s.add("cuda:7", INDEX[TEMP], n))
+            each(lambda s: s.add("cuda:7", INDEX[TEMP], -512))
         x = torch.empty(rng.randint(1, 64))
         each(lambda s, k=key, x=x: s.on_state(k, AFTER_PRE_FORWARD, (x,)))
         each(lambda s: s.add("cpu", INDEX[ALL_GATHER], -512))
@@ -114,6 +120,9 @@ def _random_step(sinks: list[Sink], rng: random.Random, blocks: int, read_every:
         each(lambda s, k=key: s.on_state(k, BEFORE_POST_BACKWARD))
         each(lambda s: s.add("cpu", INDEX[REDUCE_SCATTER], -256))
         each(lambda s, k=key: s.on_state(k, AFTER_POST_BACKWARD))
+    if second_device:  # back to what it was
+        for sink in sinks:
+            sink.add("cuda:7", INDEX[TEMP], -sink.ledger.raw()["cuda:7"][INDEX[TEMP]])
     # two modules of one FSDP group: windows opened by the adapter, ended out of order
     each(lambda s: s.open_window("a", PEAK_BACKWARD))
     tensor(300, TEMP)

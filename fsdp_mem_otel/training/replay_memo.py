@@ -1,0 +1,318 @@
+"""A light step's replay, remembered and reused by the next step that logs the same.
+
+Training repeats itself: in steady state every step queues the same byte changes and the same
+module events in the same order (``counters.Counters.flush`` replays them), only their times
+differ. ``ReplayMemo`` keeps what the last replay of each part of a step left behind (the
+counters, the peak windows, the step recorder's entries) together with the part's log, its times
+masked out; a part of a later step whose log is equal, starting from the same counters, is not
+replayed again: the remembered state is put back, with this step's times. The counters may also
+start higher or lower by a constant (a job that keeps its batches, a slow leak): on one device
+every total, peak and window total of the replay moves by that constant (``_Shift``), so a step
+that starts from other counters reuses it too; on several devices only equal counters do.
+
+What a replay leaves depends on nothing but the counters a step starts from and its log (the
+recorder starts each step afresh, windows are dropped, the step's peak starts from the counters),
+so a part reused is exactly what the replay would have given: tests/training/test_replay_memo.py
+replays random steps both ways and compares everything. A step in which anything changes the
+counters outside a replay (``skip_step``) neither reuses nor teaches. Knows no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from fsdp_mem_otel.training.counters import _T, _Window
+
+logger = logging.getLogger(__name__)
+
+#: a window's state: per device its peak total, the devices whose peak is live, its counters then
+_State = tuple[dict[str, int], set[str], dict[str, tuple[int, ...]] | None]
+
+#: a step's first parts remembered at most, and log entries in all (a loop that never calls step())
+_MAX_PARTS = 16
+_MAX_ENTRIES = 1 << 16
+
+
+class _Part:
+    """One replayed part of a step: its log with the times zeroed, where they were, and the state
+    the replay left (the counters' and the step recorder's entries of that part)."""
+
+    __slots__ = ("ac_key", "cur", "in_ac", "keys", "masked", "phase", "rec_windows", "snaps", "states", "step",
+                 "time_src", "times_at", "windows")
+    masked: list[Any]  # the log, each event's time 0
+    times_at: list[int]  # where the times are
+    cur: dict[str, tuple[int, ...]]  # the counters after the part
+    step: _State  # the step's window then
+    windows: list[_State]  # the open windows then, outermost first
+    keys: list[str]  # the recorder's entries the part made: keys, states, snapshots
+    states: list[str]
+    snaps: list[Any]
+    time_src: list[int]  # per entry, where in the log its time is (-1: the time of the replay)
+    rec_windows: list[tuple[str, str]]  # the recorder's open windows, its phase and recompute
+    phase: str
+    ac_key: str | None
+    in_ac: bool
+
+
+def _copied(state: _State) -> _State:
+    peak, live, snap = state
+    return dict(peak), set(live), None if snap is None else dict(snap)
+
+
+class _Shift:
+    """Moves remembered counters by a constant, on the one device a shiftable step has."""
+
+    __slots__ = ("device", "total", "vector")
+
+    def __init__(self, device: str, vector: tuple[int, ...], total: int) -> None:
+        self.device, self.vector, self.total = device, vector, total
+
+    def counters(self, c: Any) -> list[int]:
+        return [a + b for a, b in zip(c, self.vector, strict=True)]
+
+    def window(self, state: _State) -> _State:
+        peak, live, snap = state
+        d = self.device
+        return ({d: peak[d] + self.total}, set(live),
+                None if snap is None else {d: tuple(self.counters(snap[d]))})
+
+
+class ReplayMemo:
+    """Remembers a light step's replayed parts and reuses them (see the module docstring).
+
+    Args:
+        counters: the deferring ledger's counters (``counters.Counters``) whose ``flush`` asks.
+        recorder: the step recorder (``recorder.StepRecorder``) whose events the log holds.
+    """
+
+    def __init__(self, counters: Any, recorder: Any) -> None:
+        self._counters = counters
+        self._recorder = recorder
+        self._parts: list[_Part] = []
+        self._start: dict[str, tuple[int, ...]] | None = None  # the counters the remembered step began from
+        self._shiftable = False  # one device, none added during the remembered step
+        self._entries = 0
+        self._offer = True  # the counters' offer_on_add then
+        #: parts reused (of them, from counters apart by a constant) and replayed since attach
+        self.reused = self.shifted = self.replayed = 0
+        self.off = False  # after a failure of its own
+        self.new_step()
+
+    def new_step(self) -> None:
+        """A step begins (``Counters.reset_step``, ``StepRecorder.reset``): its first part is
+        compared from the start."""
+        self._k = 0  # the next part's position in the step
+        self._hits_only = True  # every part of this step so far was reused
+        self._learning = False  # this step's parts are being remembered
+        self._shift: _Shift | None = None
+        self._step_start: dict[str, tuple[int, ...]] = {}
+        self._rec_len = 0
+        self._fresh = False  # at this step's first replay: all as a step starts
+
+    def skip_step(self) -> None:
+        """Something changed the counters or the recorder outside a replay: nothing more of this
+        step is reused or remembered (what is remembered stays right for the steps it matches)."""
+        self._hits_only = self._learning = False
+
+    # -- the replay asks ----------------------------------------------------------------------
+    def reuse(self, pending: list[Any]) -> bool:
+        """Put back what replaying ``pending`` would leave, if remembered, and take that part off
+        it (what was queued meanwhile stays). Never raises: a failure turns the memo off for good
+        (counted as a failing replay); before anything was put back the log is then replayed."""
+        if self.off:
+            return False
+        try:
+            plan = self._plan(pending)
+        except Exception as exc:  # noqa: BLE001 - the replay must go on
+            self._fail(exc)
+            return False
+        if plan is None:
+            return False
+        started = time.perf_counter()
+        try:
+            self._put_back(pending, *plan)
+        except Exception as exc:  # noqa: BLE001 - once started, never replayed as well
+            self._fail(exc)
+        self._counters.replay_seconds += time.perf_counter() - started
+        return True
+
+    def learned(self, part_log: list[Any], events: list[int], failed: bool) -> None:
+        """``part_log`` was replayed (``events``: where its events start); remember it where this
+        step is being remembered. ``failed``: an event failed or the replay stopped. Never raises."""
+        if self.off:
+            return
+        try:
+            self._learned(part_log, events, failed)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+
+    def _fail(self, exc: Exception) -> None:
+        self.off = True
+        self._forget()
+        report = self._counters.on_replay_error
+        if report is None:
+            logger.warning("fsdp_mem_otel: the replay memo failed and is off; every step replays", exc_info=exc)
+        else:
+            report(exc)
+
+    def _plan(self, pending: list[Any]) -> tuple[_Part, int] | None:
+        # the remembered part that ``pending`` repeats, and its length; None: replay it
+        counters = self._counters
+        self._rec_len = len(self._recorder._keys)
+        k = self._k
+        if k == 0:
+            self._fresh = self._as_reset()
+            self._step_start = {d: tuple(c) for d, c in counters._cur.items()}
+        if not self._hits_only or k >= len(self._parts) or self._recorder._replay is None:
+            return None
+        part = self._parts[k]
+        n = len(part.masked)
+        if len(pending) != n or (k == 0 and not self._starts_alike()):
+            return None
+        log = pending[:n]
+        for p in part.times_at:
+            log[p] = 0
+        return (part, n) if log == part.masked else None
+
+    def _learned(self, part_log: list[Any], events: list[int], failed: bool) -> None:
+        k = self._k
+        self._k = k + 1
+        self.replayed += 1
+        if failed:  # a failing event's effect is unknown
+            self._forget()
+            self._hits_only = self._learning = False
+            return
+        if self._hits_only:  # the first part of this step not reused: remember from here
+            self._hits_only = False
+            if k == 0:
+                if self._fresh:
+                    self._forget()
+                    self._start = self._step_start
+                    self._shiftable = len(self._start) == 1
+                    self._offer = self._counters.offer_on_add
+                    self._learning = True
+            elif self._shift is None and len(self._parts) >= k:
+                del self._parts[k:]
+                self._entries = sum(len(p.masked) for p in self._parts)
+                self._learning = True
+            else:  # remembered in other counters: remember a step that starts afresh
+                self._forget()
+        if not self._learning:
+            return
+        if len(self._parts) != k:  # not in line with the remembered parts: start again next step
+            self._forget()
+            self._learning = False
+            return
+        times_at = self._times_of(part_log, events)
+        if times_at is None or k >= _MAX_PARTS or self._entries + len(part_log) > _MAX_ENTRIES:
+            self._learning = False  # the parts before it stay
+            return
+        self._parts.append(self._capture(part_log, times_at))
+        self._entries += len(part_log)
+
+    # -- inside --------------------------------------------------------------------------------
+    def _forget(self) -> None:
+        self._parts = []
+        self._start = None
+        self._entries = 0
+
+    def _as_reset(self) -> bool:
+        # before a step's first replay: the recorder, the windows and the step's peak as a step
+        # starts them (``StepRecorder.reset``, ``Counters.reset_step``)
+        counters = self._counters
+        step, cur = counters._step, counters._cur
+        if not self._recorder.fresh or counters._windows or step.live or step.snap is None:
+            return False
+        if step.peak.keys() != cur.keys() or step.snap.keys() != cur.keys():
+            return False
+        return all(step.peak[d] == c[_T] and step.snap[d] == tuple(c) for d, c in cur.items())
+
+    def _starts_alike(self) -> bool:
+        # the counters now against those the remembered step began from: equal, or (one device)
+        # apart by a constant
+        start, now = self._start, self._counters._cur
+        if start is None or not self._fresh or now.keys() != start.keys() \
+                or self._counters.offer_on_add != self._offer:
+            return False
+        self._shift = None
+        for d, c in now.items():
+            if tuple(c) != start[d]:
+                if not self._shiftable:
+                    return False
+                vector = tuple(a - b for a, b in zip(c, start[d], strict=True))
+                self._shift = _Shift(d, vector, vector[_T])
+        return True
+
+    def _times_of(self, part_log: list[Any], events: list[int]) -> list[int] | None:
+        # where the events' times are; None where a part cannot be remembered: an event that is
+        # not this recorder's with its time last, or two events at the same time (which snapshot
+        # took which could not be told apart)
+        times_at = []
+        rec = self._recorder
+        for at in events:
+            n = part_log[at + 1]
+            p = at + 1 + n
+            if not n or getattr(part_log[at], "__self__", None) is not rec or part_log[p].__class__ is not int:
+                return None
+            times_at.append(p)
+        if len({part_log[p] for p in times_at}) != len(times_at):
+            return None
+        return times_at
+
+    def _capture(self, part_log: list[Any], times_at: list[int]) -> _Part:
+        counters, rec = self._counters, self._recorder
+        part = _Part()
+        masked = part_log[:]
+        for p in times_at:
+            masked[p] = 0
+        part.masked, part.times_at = masked, times_at
+        part.cur = {d: tuple(c) for d, c in counters._cur.items()}
+        if self._shiftable and part.cur.keys() != self._start.keys():  # type: ignore[union-attr]
+            self._shiftable = False  # a device came: its counters started at 0, not shifted
+        part.step = _copied((counters._step.peak, counters._step.live, counters._step.snap))
+        part.windows = [_copied((w.peak, w.live, w.snap)) for w in counters._windows]
+        n = self._rec_len
+        part.keys, part.states, part.snaps = rec._keys[n:], rec._states[n:], rec._snaps[n:]
+        where = {part_log[p]: p for p in times_at}
+        part.time_src = [where.get(t, -1) for t in rec._times[n:]]
+        part.rec_windows = list(rec.windows)
+        part.phase, part.ac_key, part.in_ac = rec.context.phase, rec._ac_key, rec.context.in_ac_recompute
+        return part
+
+    def _put_back(self, pending: list[Any], part: _Part, n: int) -> None:
+        # everything computed first, then the part taken off the log and the state assigned
+        counters, rec, shift = self._counters, self._recorder, self._shift
+        cur = {d: list(c) if shift is None else shift.counters(c) for d, c in part.cur.items()}
+        step = shift.window(part.step) if shift else _copied(part.step)
+        windows = []
+        for state in part.windows:
+            w = _Window({})
+            w.peak, w.live, w.snap = shift.window(state) if shift else _copied(state)
+            windows.append(w)
+        # a light step's window totals are ints; its state snapshots, taken when read, ()
+        snaps = part.snaps if shift is None else [s + shift.total if s.__class__ is int else s for s in part.snaps]
+        now = time.time_ns()
+        times = [pending[p] if p >= 0 else now for p in part.time_src]
+        log = pending[:n]
+        del pending[:n]
+        self._k += 1
+        self.reused += 1
+        self.shifted += shift is not None
+        for d, values in cur.items():
+            have = counters._cur.get(d)
+            if have is None:
+                counters._cur[d] = values
+            else:
+                have[:] = values
+        counters._step.peak, counters._step.live, counters._step.snap = step
+        counters._windows[:] = windows
+        rec._keys.extend(part.keys)
+        rec._states.extend(part.states)
+        rec._snaps.extend(snaps)
+        rec._times.extend(times)
+        rec.windows[:] = part.rec_windows
+        rec.context.phase, rec._ac_key, rec.context.in_ac_recompute = part.phase, part.ac_key, part.in_ac
+        if counters._retained is not None:
+            counters._retained(log)
