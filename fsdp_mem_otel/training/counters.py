@@ -160,16 +160,15 @@ class Counters:
         self._retained = keep
 
     def flush(self) -> None:
-        """Replay the pending changes and events in order (a no-op when there are none).
+        """Replay the pending changes and events in order (a no-op when there are none), or let
+        the memo put back what the same log left last time.
 
-        The log is one flat list of names, numbers and the recorder's bound methods, none of which
-        the cyclic collector counts (a tuple per entry, alive until the replay, brought on a
-        collection every ~700 of them: several a step, and objects promoted to older generations):
-        an add is ``device, category index, delta``; an event is ``method, n, *n args``. Each is
-        put in with one ``extend`` so that one queued from another thread never lands inside it.
+        The log is one flat list of names, numbers and bound methods, which the cyclic collector
+        does not count (a tuple per entry brought collections, and promotions): an add is
+        ``device, category index, delta``; an event is ``method, n, *n args``, its time last. Each
+        goes in with one ``extend``, so that one queued from another thread never lands inside it.
         A failing event does not stop the others: each goes to ``on_replay_error``, or the first is
-        raised at the end.
-        """
+        raised at the end."""
         pending = self.pending
         if not pending or self._replaying:
             return
@@ -238,8 +237,7 @@ class Counters:
                 self.on_replay_error(err)
 
     def queue(self, event: Callable[..., None], *args: Any) -> None:
-        """``event(*args)`` now, or at the next replay where changes are deferred. An event's last
-        argument, where it has any, is its time (``time.time_ns()``): the memo compares the rest."""
+        """``event(*args)`` now, or at the next replay where changes are deferred (time last)."""
         pending = self.pending
         if pending is None:
             event(*args)
@@ -416,7 +414,6 @@ class Counters:
         if self.memo is not None:
             self.memo.new_step()
 
-    def _outside_replay(self) -> None:
-        # the counters' windows change outside a replay: this step's replays are not what the memo knows
+    def _outside_replay(self) -> None:  # the windows change outside a replay: nothing for the memo
         if self.memo is not None:
             self.memo.skip_step()
