@@ -14,7 +14,9 @@ What a replay leaves depends on nothing but the counters a step starts from and 
 recorder starts each step afresh, windows are dropped, the step's peak starts from the counters),
 so a part reused is exactly what the replay would have given: tests/training/test_replay_memo.py
 replays random steps both ways and compares everything. A step in which anything changes the
-counters outside a replay (``skip_step``) neither reuses nor teaches. Knows no torch.
+counters outside a replay (``skip_step``) neither reuses nor teaches. Learning a part costs about
+as much as a tenth of its replay: while no step repeats the last one learnt (shapes that change
+every step), steps are learnt ever less often, down to one in 32. Knows no torch.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ _State = tuple[dict[str, int], set[str], dict[str, tuple[int, ...]] | None]
 #: a step's first parts remembered at most, and log entries in all (a loop that never calls step())
 _MAX_PARTS = 16
 _MAX_ENTRIES = 1 << 16
+#: steps at most between two that learn, while no step repeats the last one learnt
+_MAX_WAIT = 31
 
 
 class _Part:
@@ -95,8 +99,12 @@ class ReplayMemo:
         self._shiftable = False  # one device, none added during the remembered step
         self._entries = 0
         self._offer = True  # the counters' offer_on_add then
+        # steps whose first part is not learnt before the next one is, and what comes after: 0, 1,
+        # 3, ... while no step repeats the last learnt one (a learnt step costs ~30 us a part)
+        self._wait = self._backoff = 0
         #: parts reused (of them, from counters apart by a constant) and replayed since attach
         self.reused = self.shifted = self.replayed = 0
+        self.remembered = 0  # parts remembered
         self.off = False  # after a failure of its own
         self.new_step()
 
@@ -187,12 +195,15 @@ class ReplayMemo:
         if self._hits_only:  # the first part of this step not reused: remember from here
             self._hits_only = False
             if k == 0:
-                if self._fresh:
+                if self._fresh and self._wait:  # steps that do not repeat: learn less often
+                    self._wait -= 1
+                elif self._fresh:
                     self._forget()
                     self._start = self._step_start
                     self._shiftable = len(self._start) == 1
                     self._offer = self._counters.offer_on_add
                     self._learning = True
+                    self._wait, self._backoff = self._backoff, min(2 * self._backoff + 1, _MAX_WAIT)
             elif self._shift is None and len(self._parts) >= k:
                 del self._parts[k:]
                 self._entries = sum(len(p.masked) for p in self._parts)
@@ -211,6 +222,7 @@ class ReplayMemo:
             return
         self._parts.append(self._capture(part_log, times_at))
         self._entries += len(part_log)
+        self.remembered += 1
 
     # -- inside --------------------------------------------------------------------------------
     def _forget(self) -> None:
@@ -298,6 +310,7 @@ class ReplayMemo:
         log = pending[:n]
         del pending[:n]
         self._k += 1
+        self._backoff = 0
         self.reused += 1
         self.shifted += shift is not None
         for d, values in cur.items():

@@ -262,3 +262,22 @@ def test_training_reports_the_same_with_the_memo_as_without(opts: dict[str, Any]
         assert run.differences == []
         assert run.reused >= STEPS - 2  # the warm steps reuse the replay
         assert (run.shifted > 0) == keep_batches
+
+
+def test_steps_that_never_repeat_are_learnt_ever_less_often_and_repeats_are_found_again() -> None:
+    ledger, recorder = _ledgers()[0]
+    for step in range(64):  # a byte count of its own each step: nothing to reuse
+        ledger.add("cpu", TEMP, 1 + step)
+        ledger.queue(recorder.on_state, "m", BEFORE_PRE_FORWARD, False, True, 10 * step)
+        ledger.flush()
+        recorder.reset()
+        ledger.reset_step()
+    assert recorder.memo.reused == 0
+    assert recorder.memo.remembered <= 8  # steps 0, 1, 3, 7, 15, 31, 63 (then every 32nd)
+    for step in range(64, 64 + 40):  # from now on every step the same
+        ledger.add("cpu", TEMP, 1)
+        ledger.queue(recorder.on_state, "m", BEFORE_PRE_FORWARD, False, True, 10 * step)
+        ledger.flush()
+        recorder.reset()
+        ledger.reset_step()
+    assert recorder.memo.reused >= 40 - 33
