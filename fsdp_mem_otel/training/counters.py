@@ -57,6 +57,14 @@ def snap_of(counters: dict[str, Any]) -> Snap:
     return tuple(out)
 
 
+def _hand_on(keep: Callable[[list[Any]], None], part: list[Any], failures: list[Exception]) -> None:
+    """``keep(part)``; a failure is one of the replay's (the counters are replayed: it goes on)."""
+    try:
+        keep(part)
+    except Exception as exc:  # noqa: BLE001
+        failures.append(exc)
+
+
 class _Window:
     """The peak of one span of time: per device, the largest total and the counters then.
 
@@ -173,8 +181,8 @@ class Counters:
         if not pending or self._replaying:
             return
         memo = self.memo
-        if memo is not None and memo.reuse(pending):
-            return
+        if memo is not None and memo.reuse(pending) and not pending:
+            return  # put back; what was queued meanwhile is replayed below
         self._replaying = True
         started = time.perf_counter()
         cur, step, windows, offer = self._cur, self._step, self._windows, self.offer_on_add
@@ -223,10 +231,10 @@ class Counters:
             done = True
         finally:
             part = pending[:i]
-            if self._retained is not None and i:
-                self._retained(part)
             del pending[:i]
             self._replaying = False
+            if self._retained is not None and i:
+                _hand_on(self._retained, part, failures)
             if memo is not None and i:
                 memo.learned(part, events, bool(failures) or not done)
             self.replay_seconds += time.perf_counter() - started

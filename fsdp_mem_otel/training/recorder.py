@@ -265,17 +265,17 @@ class StepRecorder:
                 return
 
     def _on_recompute(self, key: str, state: str, t: int) -> None:
-        ctx = self.context
+        target, ctx = self._target(), self.context  # a direct call turns a deferring step immediate
         if state == BEFORE_PRE_FORWARD:
             ctx.phase = PRE_FORWARD
         elif state == AFTER_PRE_FORWARD:
             ctx.phase = FORWARD
-            self._append(key, PRE_FORWARD_AC, self._target().snap(), t)
+            self._append(key, PRE_FORWARD_AC, target.snap(), t)
             if self._ac_key is None:
                 self._ac_key, ctx.in_ac_recompute = key, True
         elif state == BEFORE_POST_FORWARD:
             ctx.phase = POST_FORWARD
-            self._append(key, POST_FORWARD_AC, self._target().snap(), t)
+            self._append(key, POST_FORWARD_AC, target.snap(), t)
             if self._ac_key == key:
                 self._ac_key, ctx.in_ac_recompute = None, False
 

@@ -34,7 +34,7 @@ _State = tuple[dict[str, int], set[str], dict[str, tuple[int, ...]] | None]
 
 #: a step's first parts remembered at most, and log entries in all (a loop that never calls step())
 _MAX_PARTS = 16
-_MAX_ENTRIES = 1 << 16
+_MAX_ENTRIES = 1 << 17  # twice the sink's flush of a step without step(): such a part fits
 #: steps at most between two that learn, while no step repeats the last one learnt
 _MAX_WAIT = 31
 
@@ -127,8 +127,9 @@ class ReplayMemo:
     # -- the replay asks ----------------------------------------------------------------------
     def reuse(self, pending: list[Any]) -> bool:
         """Put back what replaying ``pending`` would leave, if remembered, and take that part off
-        it (what was queued meanwhile stays). Never raises: a failure turns the memo off for good
-        (counted as a failing replay); before anything was put back the log is then replayed."""
+        it (what was queued meanwhile stays); False: replay it. Never raises: a failure turns the
+        memo off for good (counted as a failing replay); before the part was taken off the log, it
+        is then replayed."""
         if self.off:
             return False
         try:
@@ -139,12 +140,13 @@ class ReplayMemo:
         if plan is None:
             return False
         started = time.perf_counter()
+        taken: list[bool] = []
         try:
-            self._put_back(pending, *plan)
-        except Exception as exc:  # noqa: BLE001 - once started, never replayed as well
+            self._put_back(pending, *plan, taken)
+        except Exception as exc:  # noqa: BLE001 - once taken off the log, never replayed as well
             self._fail(exc)
         self._counters.replay_seconds += time.perf_counter() - started
-        return True
+        return bool(taken)
 
     def learned(self, part_log: list[Any], events: list[int], failed: bool) -> None:
         """``part_log`` was replayed (``events``: where its events start); remember it where this
@@ -181,6 +183,8 @@ class ReplayMemo:
             return None
         log = pending[:n]
         for p in part.times_at:
+            if log[p].__class__ is not int:  # a time, as the remembered part had there
+                return None
             log[p] = 0
         return (part, n) if log == part.masked else None
 
@@ -208,7 +212,7 @@ class ReplayMemo:
                 del self._parts[k:]
                 self._entries = sum(len(p.masked) for p in self._parts)
                 self._learning = True
-            else:  # remembered in other counters: remember a step that starts afresh
+            elif self._learnable(k, part_log, events):  # remembered in other counters: start afresh
                 self._forget()
         if not self._learning:
             return
@@ -217,7 +221,7 @@ class ReplayMemo:
             self._learning = False
             return
         times_at = self._times_of(part_log, events)
-        if times_at is None or k >= _MAX_PARTS or self._entries + len(part_log) > _MAX_ENTRIES:
+        if times_at is None or not self._learnable(k, part_log, events):
             self._learning = False  # the parts before it stay
             return
         self._parts.append(self._capture(part_log, times_at))
@@ -257,6 +261,11 @@ class ReplayMemo:
                 self._shift = _Shift(d, vector, vector[_T])
         return True
 
+    def _learnable(self, k: int, part_log: list[Any], events: list[int]) -> bool:
+        # within the bounds, and made of the recorder's timed events only
+        return (k < _MAX_PARTS and self._entries + len(part_log) <= _MAX_ENTRIES
+                and self._times_of(part_log, events) is not None)
+
     def _times_of(self, part_log: list[Any], events: list[int]) -> list[int] | None:
         # where the events' times are; None where a part cannot be remembered: an event that is
         # not this recorder's with its time last, or two events at the same time (which snapshot
@@ -293,8 +302,9 @@ class ReplayMemo:
         part.phase, part.ac_key, part.in_ac = rec.context.phase, rec._ac_key, rec.context.in_ac_recompute
         return part
 
-    def _put_back(self, pending: list[Any], part: _Part, n: int) -> None:
-        # everything computed first, then the part taken off the log and the state assigned
+    def _put_back(self, pending: list[Any], part: _Part, n: int, taken: list[bool]) -> None:
+        # everything computed first, then the part taken off the log (``taken`` says so) and the
+        # state assigned
         counters, rec, shift = self._counters, self._recorder, self._shift
         cur = {d: list(c) if shift is None else shift.counters(c) for d, c in part.cur.items()}
         step = shift.window(part.step) if shift else _copied(part.step)
@@ -309,8 +319,9 @@ class ReplayMemo:
         times = [pending[p] if p >= 0 else now for p in part.time_src]
         log = pending[:n]
         del pending[:n]
+        taken.append(True)
         self._k += 1
-        self._backoff = 0
+        self._wait = self._backoff = 0
         self.reused += 1
         self.shifted += shift is not None
         for d, values in cur.items():

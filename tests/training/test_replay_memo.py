@@ -113,7 +113,7 @@ def _forward(ledger: Ledger, recorder: StepRecorder, t: int) -> None:
     ledger.queue(recorder.on_state, "m", AFTER_POST_FORWARD, False, True, t + 1)
 
 
-def test_a_change_queued_while_a_part_is_put_back_stays_for_the_next_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_change_queued_while_a_part_is_put_back_is_replayed_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
     # a free on another thread lands between the comparison and the part's removal from the log
     put_back = ReplayMemo._put_back
 
@@ -281,3 +281,83 @@ def test_steps_that_never_repeat_are_learnt_ever_less_often_and_repeats_are_foun
         recorder.reset()
         ledger.reset_step()
     assert recorder.memo.reused >= 40 - 33
+
+
+def _step(ledger: Ledger, recorder: StepRecorder, t: int, delta: int, parts: int = 1, kept: int = 0,
+          same_time_last: bool = False) -> None:
+    """A step of ``parts`` parts (each read, as a mid-step reader would), ``delta`` bytes up and
+    down in each; ``kept`` bytes stay (the next step starts higher); ``same_time_last``: the last
+    part's two events at one time (a part that cannot be remembered)."""
+    for p in range(parts):
+        ledger.add("cpu", TEMP, delta)
+        ledger.queue(recorder.on_state, "m", BEFORE_PRE_FORWARD, False, True, t + 10 * p)
+        ledger.add("cpu", TEMP, -delta)
+        last = p == parts - 1
+        ledger.queue(recorder.on_state, "m", AFTER_POST_FORWARD, False, True,
+                     t + 10 * p + (0 if same_time_last and last else 1))
+        if last and kept:
+            ledger.add("cpu", TEMP, kept)
+        ledger.flush()
+    recorder.reset()
+    ledger.reset_step()
+
+
+def test_a_reuse_ends_the_wait_so_a_new_repeating_step_is_learnt_at_once() -> None:
+    ledger, recorder = _ledgers()[0]
+    for step in range(70):  # never repeats: the memo waits ever longer between two it learns
+        _step(ledger, recorder, 100 * step, 1000 + step)
+    for step in range(70, 170):  # repeats: reused within 32 steps, from then on every step
+        _step(ledger, recorder, 100 * step, 7)
+    reused = recorder.memo.reused
+    for step in range(170, 173):  # another repeating step: learnt at its first, reused at its second
+        _step(ledger, recorder, 100 * step, 9)
+    assert recorder.memo.reused == reused + 2
+
+
+@pytest.mark.parametrize("kept", [0, 100], ids=["equal", "shifted"])
+def test_a_part_that_cannot_be_remembered_keeps_the_ones_before_it(kept: int) -> None:
+    ledger, recorder = _ledgers()[0]
+    for step in range(20):
+        _step(ledger, recorder, 100 * step, 1000, parts=3, kept=kept, same_time_last=True)
+    memo = recorder.memo
+    # step 0 starts with no device yet, step 1 learns again; steps 2-19 reuse their first two parts
+    assert memo.reused == 2 * 18 and memo.replayed == 20 + 2 + 2
+
+
+def test_a_failure_before_the_part_is_taken_off_replays_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fsdp_mem_otel.training import replay_memo
+
+    ledger, recorder = _ledgers()[0]
+    errors: list[BaseException] = []
+    ledger.on_replay_error = errors.append
+    for step in range(4):
+        if step == 3:
+            monkeypatch.setattr(replay_memo, "_copied", lambda _: (_ for _ in ()).throw(MemoryError("copying")))
+        ledger.add("cpu", TEMP, 1000)
+        ledger.queue(recorder.on_state, "m", BEFORE_PRE_FORWARD, False, True, 10 * step)
+        assert ledger.raw()["cpu"][INDEX["total"]] == 1000  # a mid-step read sees the part, replayed
+        ledger.add("cpu", TEMP, -1000)
+        ledger.queue(recorder.on_state, "m", AFTER_POST_FORWARD, False, True, 10 * step + 1)
+        ledger.flush()
+        recorder.reset()
+        ledger.reset_step()
+    assert recorder.memo.off and [type(e) for e in errors] == [MemoryError]
+    assert ledger.pending == [] and ledger.raw()["cpu"][INDEX["total"]] == 0
+
+
+def test_a_failing_keeper_of_the_log_is_counted_and_the_replay_goes_on() -> None:
+    ledger, recorder = _ledgers()[1]  # memo off: the replay's own path
+    errors: list[BaseException] = []
+    ledger.on_replay_error = errors.append
+
+    def keep(part: list[Any]) -> None:
+        raise MemoryError("keep failed")
+
+    ledger.retain(keep)
+    ledger.add("cpu", TEMP, 100)
+    ledger.queue(recorder.on_state, "m", BEFORE_PRE_FORWARD, False, True, 1)
+    ledger.flush()
+    ledger.add("cpu", TEMP, 1)
+    ledger.flush()
+    assert ledger.pending == [] and ledger.raw()["cpu"][INDEX["total"]] == 101
+    assert len(errors) == 2 and all(isinstance(e, MemoryError) for e in errors)
