@@ -361,3 +361,20 @@ def test_a_failing_keeper_of_the_log_is_counted_and_the_replay_goes_on() -> None
     ledger.flush()
     assert ledger.pending == [] and ledger.raw()["cpu"][INDEX["total"]] == 101
     assert len(errors) == 2 and all(isinstance(e, MemoryError) for e in errors)
+
+
+def test_a_recompute_state_called_directly_is_not_overwritten_by_a_reuse() -> None:
+    phases = []
+    for ledger, recorder in _ledgers():
+        for step in range(3):
+            ledger.queue(recorder.on_state, "m", AFTER_PRE_FORWARD, False, True, 100 * step)
+            ledger.flush()
+            if step == 2:
+                recorder.on_state("m", BEFORE_PRE_FORWARD, True)  # not queued: the step turns immediate
+            ledger.add("cpu", TEMP, 64)  # a part of bytes alone, remembered at the steps before
+            ledger.flush()
+            if step < 2:
+                recorder.reset()
+                ledger.reset_step()
+        phases.append(recorder.context.phase)
+    assert phases[0] == phases[1]
