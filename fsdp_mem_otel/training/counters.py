@@ -299,7 +299,7 @@ class Counters:
     def open_window(self, totals_only: bool = False) -> None:
         """Start a nested peak window (a module's forward or backward); ``totals_only``: keep its
         largest totals alone (``close_window_total``), no counters."""
-        if not self._replaying:  # the replay's own events: no call
+        if self.pending is not None and not self._replaying:  # deferring, and not the replay's own
             self.flush()
             self._outside_replay()
         if self._windows:
@@ -354,7 +354,7 @@ class Counters:
     def _close_window(self, index: int) -> _Window | None:
         # End the window at ``index`` (-1: the innermost), folding what the windows opened after it
         # have seen into it, and it into the enclosing one; None when no window is open.
-        if not self._replaying:  # the replay's own events: no call
+        if self.pending is not None and not self._replaying:  # deferring, and not the replay's own
             self.flush()
             self._outside_replay()
         windows = self._windows

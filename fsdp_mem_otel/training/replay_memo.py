@@ -212,7 +212,7 @@ class ReplayMemo:
                 del self._parts[k:]
                 self._entries = sum(len(p.masked) for p in self._parts)
                 self._learning = True
-            elif self._learnable(k, part_log, events):  # remembered in other counters: start afresh
+            elif self._learnable(k, part_log, self._times_of(part_log, events)):  # other counters: afresh
                 self._forget()
         if not self._learning:
             return
@@ -221,7 +221,7 @@ class ReplayMemo:
             self._learning = False
             return
         times_at = self._times_of(part_log, events)
-        if times_at is None or not self._learnable(k, part_log, events):
+        if times_at is None or not self._learnable(k, part_log, times_at):
             self._learning = False  # the parts before it stay
             return
         self._parts.append(self._capture(part_log, times_at))
@@ -261,10 +261,9 @@ class ReplayMemo:
                 self._shift = _Shift(d, vector, vector[_T])
         return True
 
-    def _learnable(self, k: int, part_log: list[Any], events: list[int]) -> bool:
-        # within the bounds, and made of the recorder's timed events only
-        return (k < _MAX_PARTS and self._entries + len(part_log) <= _MAX_ENTRIES
-                and self._times_of(part_log, events) is not None)
+    def _learnable(self, k: int, part_log: list[Any], times_at: list[int] | None) -> bool:
+        # within the bounds, and made of the recorder's timed events only (``_times_of``)
+        return k < _MAX_PARTS and self._entries + len(part_log) <= _MAX_ENTRIES and times_at is not None
 
     def _times_of(self, part_log: list[Any], events: list[int]) -> list[int] | None:
         # where the events' times are; None where a part cannot be remembered: an event that is
