@@ -39,7 +39,7 @@ from fsdp_mem_otel.schema import ACTIVATION
 from fsdp_mem_otel.training.ledger import INDEX, Ledger
 
 _STRIDED = torch.strided
-_Parameter = torch.nn.Parameter
+_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _ACTIVATION = INDEX[ACTIVATION]
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
@@ -142,7 +142,7 @@ class SavedTensorAccounting:
         if self._pushed is not None:
             try:
                 cls = type(t)  # the common cases (an activation, an unsharded weight), written out
-                if (cls is torch.Tensor or cls is _Parameter) and t.layout is _STRIDED:
+                if (cls is _Tensor or cls is _Parameter) and t.layout is _STRIDED:
                     st = t.untyped_storage()
                     if id(st) not in self._entries:
                         owners = self._owners

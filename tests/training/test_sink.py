@@ -188,6 +188,12 @@ def test_tensors_in_finds_every_tensor_in_order_through_containers_and_subclasse
     assert [id(t) for t in tensors_in(inputs)] == [id(t) for t in (a, b, c, p, d)]
     assert tensors_in(a)[0] is a and tensors_in(p)[0] is p
     assert tensors_in(((), {})) == [] and tensors_in(None) == [] and tensors_in("text") == []
+    # a block's usual ``((x,), {})`` takes a shortcut: it must agree with the walk around it
+    assert [id(t) for t in tensors_in(((a,), {}))] == [id(a)]
+    assert [id(t) for t in tensors_in(((p,), {}))] == [id(p)]  # a subclass: walked, still found
+    assert [id(t) for t in tensors_in(((a,), {"mask": c}))] == [id(a), id(c)]
+    assert [id(t) for t in tensors_in((a, b))] == [id(a), id(b)]  # two outputs, not (args, kwargs)
+    assert [id(t) for t in tensors_in(((a,), b))] == [id(a), id(b)]
 
 
 def test_an_output_is_walked_once_unless_post_forward_replaces_it() -> None:

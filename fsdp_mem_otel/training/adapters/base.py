@@ -9,7 +9,7 @@ category (``sink.track(tensor, category)``) or that their storage was resized
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -144,8 +144,16 @@ def tensors_in(obj: object) -> list[torch.Tensor]:
     ``iter_tensors``: a forward hook's ``(args, kwargs)`` at every FSDP module). Exact types are
     tried before ``isinstance`` (a tensor's is ~3x slower, and a container is checked against it):
     subclasses of each still count."""
-    if type(obj) is _Tensor:
-        return [obj]
+    cls = type(obj)
+    if cls is _Tensor:
+        return [obj]  # type: ignore[list-item]
+    if cls is tuple:
+        pair: tuple[Any, ...] = obj  # type: ignore[assignment]
+        if len(pair) == 2:  # a forward pre-hook's ``((x,), {})``, the usual call of a block: no walk
+            args, kwargs = pair
+            if type(args) is tuple and len(args) == 1 and type(kwargs) is dict and not kwargs \
+                    and type(args[0]) is _Tensor:
+                return [args[0]]
     out: list[torch.Tensor] = []
     stack = [obj]
     while stack:

@@ -263,43 +263,41 @@ class FSDP2Adapter:
         sink = self._sink
         acct = _Accounts(group, sink, self._mirror_of, self.per_tensor)
         self._accounts.append(acct)
-
         ends = self._backward_ends
-
-        def on_state(state: str) -> Callable[[], None]:
-            # the group's states are every member's; with several members the backward peak
-            # windows are per module (``shared``), not the group's
-            windowed = shared is None
-            if windowed and state == AFTER_POST_BACKWARD:
-                def emit_ending() -> None:  # the window may end later (deep steps)
-                    for key in keys:
-                        sink.on_state(key, state, None, not ends.defer(key))
-
-                return emit_ending
-
-            def emit() -> None:
-                for key in keys:
-                    sink.on_state(key, state, None, windowed)
-                if shared is not None and state == AFTER_POST_BACKWARD:
-                    shared.backward_ends()
-
-            return emit
-
-        emit_before_post_backward, emit_after_post_backward = (
-            on_state(BEFORE_POST_BACKWARD), on_state(AFTER_POST_BACKWARD))
+        # the group's states are every member's; with several members the backward peak windows
+        # are per module (``shared``), not the group's
+        windowed = shared is None
         orig_post_backward, orig_wait = group.post_backward, group.wait_for_unshard
         orig_pre_backward = group.pre_backward
 
-        # The wrappers below run at every FSDP event of every group: their containment is written
-        # out (a helper frame per call cost ~0.3 us in place, at ~150 calls a step).
+        # The wrappers below run at every FSDP event of every group: their containment and the
+        # state events are written out (a helper frame per call cost ~0.3 us in place, at ~150
+        # calls a step).
+        def pre_backward(*args: Any, **kwargs: Any) -> Any:
+            if group._training_state == TrainingState.PRE_BACKWARD:
+                return orig_pre_backward(*args, **kwargs)  # once per backward: FSDP's own guard
+            try:
+                for key in keys:
+                    sink.on_state(key, BEFORE_PRE_BACKWARD, None, windowed)
+            except Exception as exc:  # noqa: BLE001 - the tracker must never break training
+                sink.report_error(exc)
+            out = orig_pre_backward(*args, **kwargs)
+            try:
+                for key in keys:
+                    sink.on_state(key, AFTER_PRE_BACKWARD, None, windowed)
+            except Exception as exc:  # noqa: BLE001
+                sink.report_error(exc)
+            return out
+
         def post_backward(*args: Any, **kwargs: Any) -> Any:
             count = None
             try:
                 count = acct.before_post_backward()
-            except Exception as exc:  # noqa: BLE001 - the tracker must never break training
+            except Exception as exc:  # noqa: BLE001
                 sink.report_error(exc)
             try:
-                emit_before_post_backward()
+                for key in keys:
+                    sink.on_state(key, BEFORE_POST_BACKWARD, None, windowed)
             except Exception as exc:  # noqa: BLE001
                 sink.report_error(exc)
             out = orig_post_backward(*args, **kwargs)
@@ -308,7 +306,13 @@ class FSDP2Adapter:
             except Exception as exc:  # noqa: BLE001
                 sink.report_error(exc)
             try:
-                emit_after_post_backward()
+                if windowed:  # the window may end later (deep steps: calls are known then)
+                    for key in keys:
+                        sink.on_state(key, AFTER_POST_BACKWARD, None, not (ends.calls and ends.defer(key)))
+                else:
+                    for key in keys:
+                        sink.on_state(key, AFTER_POST_BACKWARD, None, False)
+                    shared.backward_ends()  # type: ignore[union-attr]
             except Exception as exc:  # noqa: BLE001
                 sink.report_error(exc)
             return out
@@ -326,8 +330,7 @@ class FSDP2Adapter:
             _guarded(sink, lambda: acct.after_tensors_wait(before))
             return out
 
-        pre_backward = _around(sink, orig_pre_backward, on_state(BEFORE_PRE_BACKWARD), on_state(AFTER_PRE_BACKWARD))
-        self._patch(group, "pre_backward", dynamo_safe(_unless_in_pre_backward(group, pre_backward, orig_pre_backward)))
+        self._patch(group, "pre_backward", dynamo_safe(pre_backward))
         self._patch(group, "post_backward", dynamo_safe(post_backward))
         self._patch(group, "unshard", dynamo_safe(_then(sink, group.unshard, acct, _AFTER_UNSHARD)))
         self._patch(group, "wait_for_unshard", dynamo_safe(wait_for_unshard))
@@ -597,8 +600,11 @@ class _Accounts:
         light = self.light
         deferred = False
         if light.all_gather_seen:
-            mirror = self._mirror
-            deferred = mirror.waited(light.group._training_state is _FORWARD,
+            group = light.group
+            mirror = self._mirror_cached  # ``_mirror`` written out (every all-gather)
+            if group.comm_ctx is not self._comm or mirror is None:
+                mirror = self._mirror
+            deferred = mirror.waited(group._training_state is _FORWARD,
                                      mirror.deferred is not None, light.dev, light._pending_ag, None)
         light.after_wait(deferred, None)
 
@@ -615,13 +621,19 @@ class _Accounts:
 
     def before_post_backward(self) -> int:
         self.current.before_post_backward()
-        return self._mirror.rs_count()
+        mirror = self._mirror_cached  # ``_mirror`` written out, as below
+        if self.light.group.comm_ctx is not self._comm or mirror is None:
+            mirror = self._mirror
+        return mirror.rs_count()
 
     def after_post_backward(self, count: int | None) -> None:
-        current = self.current
+        current, light = self.current, self.light
         appended = None
         if count is not None:
-            appended = self._mirror.after_post_backward(count, self._rs_cat, current is self.light, self.light.dev)
+            mirror = self._mirror_cached
+            if light.group.comm_ctx is not self._comm or mirror is None:
+                mirror = self._mirror
+            appended = mirror.after_post_backward(count, self._rs_cat, current is light, light.dev)
         current.after_post_backward(appended)
         if current is self.light and self.light.unfit is not None:
             self._fall_back()
@@ -634,31 +646,6 @@ def _inside_forward(state: Any) -> bool:
     """Whether an FSDP forward runs around ``state``'s module (its root's pre-forward ran and its
     post-forward did not yet), from FSDP's shared state context."""
     return getattr(state._state_ctx, "iter_forward_root", None) is not None
-
-
-def _around(
-    sink: EventSink,
-    orig: Callable[..., Any],
-    before: Callable[[], None] | None,
-    after: Callable[[], None] | None,
-) -> Callable[..., Any]:
-    """``orig`` with tracker work before and after it; tracker failures never reach FSDP."""
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if before is not None:
-            try:
-                before()
-            except Exception as exc:  # noqa: BLE001 - the tracker must never break training
-                sink.report_error(exc)
-        out = orig(*args, **kwargs)
-        if after is not None:
-            try:
-                after()
-            except Exception as exc:  # noqa: BLE001
-                sink.report_error(exc)
-        return out
-
-    return wrapper
 
 
 def _then(sink: EventSink, orig: Callable[..., Any], acct: _Accounts,
@@ -675,17 +662,6 @@ def _then(sink: EventSink, orig: Callable[..., Any], acct: _Accounts,
         return out
 
     return wrapper
-
-
-def _unless_in_pre_backward(
-    group: Any, tracked: Callable[..., Any], orig: Callable[..., Any]
-) -> Callable[..., Any]:
-    def pre_backward(*args: Any, **kwargs: Any) -> Any:
-        if group._training_state == TrainingState.PRE_BACKWARD:
-            return orig(*args, **kwargs)
-        return tracked(*args, **kwargs)
-
-    return pre_backward
 
 
 def _guarded(sink: EventSink, fn: Callable[[], None]) -> None:
@@ -731,9 +707,9 @@ class _InputGradEnds:
 
     def __init__(self, sink: EventSink) -> None:
         self._sink = sink
-        # module key -> its forward calls whose post-backward is still to come, newest last:
-        # [whether its inputs need a gradient, state]
-        self._calls: dict[str, list[list[Any]]] = {}
+        #: module key -> its forward calls whose post-backward is still to come, newest last:
+        #: [whether its inputs need a gradient, state] (empty in light steps)
+        self.calls: dict[str, list[list[Any]]] = {}
 
     def forward(self, key: str, inputs: object) -> None:
         """Module ``key``'s forward received ``inputs`` (before FSDP's pre-forward wraps them)."""
@@ -741,14 +717,14 @@ class _InputGradEnds:
             return  # a checkpoint recompute: no post-backward of its own
         needing = [t for t in iter_tensors(inputs) if t.requires_grad]
         call: list[Any] = [bool(needing), self._WAITING]
-        self._calls.setdefault(key, []).append(call)
+        self.calls.setdefault(key, []).append(call)
         if needing:
             _when_all_grads(needing, self._guarded(lambda: self._end(key, call)))
 
     def defer(self, key: str) -> bool:
         """At module ``key``'s after_post_backward: whether its backward window ends later, when
         the gradients of this call's inputs are computed (FSDP runs post-backwards newest call first)."""
-        calls = self._calls.get(key)
+        calls = self.calls.get(key)
         if not calls:
             return False  # a light step, or no forward seen
         call = calls.pop()
@@ -773,10 +749,10 @@ class _InputGradEnds:
 
     def clear(self) -> None:
         """The step ends: forget its calls (a window still open closes with the step)."""
-        for calls in self._calls.values():
+        for calls in self.calls.values():
             for call in calls:
                 call[1] = self._DONE
-        self._calls.clear()
+        self.calls.clear()
 
 
 def _folded_pre_hook(sink: EventSink, key: str, fsdp_pre: Callable[..., Any], first: Callable[[], None],
