@@ -135,8 +135,9 @@ class DeepSteps:
         try:
             if self._config.deep_when_compiled == "eager" and self._runs_compiled_code():
                 self._restore_stance = force_eager()
-            self._mode = DeepMode(self._ledger, self._context, self._on_error)
-            self._mode.__enter__()
+            mode = DeepMode(self._ledger, self._context, self._on_error)
+            mode.__enter__()
+            self._mode = mode
             self._ledger.defer(False)  # deep mode reads the counters at every op
             RESIZE_WATCH.add(self._ledger)
             self._ledger.offer_on_add = False
@@ -144,9 +145,12 @@ class DeepSteps:
             self.step_mode = DEEP
             self._adapter.use_tensors(True)
         except Exception as exc:  # noqa: BLE001
-            self._mode = None
-            self._ledger.defer(True)
-            self._restore()
+            self.step_mode = LIGHT
+            if self._mode is not None:  # entered: undo all of it (a half-done step goes light)
+                self.end()
+            else:
+                self._ledger.defer(True)
+                self._restore()
             self._on_error(exc)
 
     def _restore(self) -> None:

@@ -48,6 +48,36 @@ def test_a_deep_step_goes_deep_at_its_first_forward_and_back_at_its_end() -> Non
     assert adapter.calls == [True, False] and errors == []
 
 
+def test_a_deep_step_that_fails_half_way_in_goes_back_to_light_entirely() -> None:
+    # The adapter fails to switch to per-tensor accounting after the dispatch mode was entered:
+    # nothing of the deep step may stay (the mode on the thread, integer offers off, the sink deep).
+    deep, sink, adapter, errors = _steps(nn.Linear(2, 2), deep_every=2)
+
+    def failing(on: bool) -> None:
+        adapter.calls.append(on)
+        if on:
+            raise RuntimeError("use_tensors failed")
+
+    adapter.use_tensors = failing  # type: ignore[method-assign]
+    deep.begin(2)
+    sink.on_state("<root>", "before_pre_forward")
+    assert [str(e) for e in errors] == ["use_tensors failed"]
+    assert _get_current_dispatch_mode() is None and not deep.active and deep.step_mode == LIGHT
+    assert sink.ledger.offer_on_add and not sink.deep and sink.ledger.pending is not None
+    assert adapter.calls == [True, False]  # what it switched before failing is switched back
+    assert sink.activations.active  # the forward goes on as a light one: saved tensors counted
+    deep.end()  # the step's end: nothing left to undo
+    sink.end_step()
+    assert adapter.calls == [True, False] and len(errors) == 1
+    adapter.use_tensors = lambda on: adapter.calls.append(on)  # type: ignore[method-assign]
+    deep.begin(4)  # the next deep step goes deep as usual
+    sink.on_state("<root>", "before_pre_forward")
+    assert deep.active and isinstance(_get_current_dispatch_mode(), DeepMode)
+    deep.end()
+    sink.end_step()
+    assert _get_current_dispatch_mode() is None and len(errors) == 1
+
+
 def test_a_compiled_caller_keeps_the_step_light_and_says_why() -> None:
     model = nn.Linear(2, 2)
     deep, sink, adapter, _ = _steps(model, mode="deep")
