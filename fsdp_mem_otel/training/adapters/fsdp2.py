@@ -378,9 +378,10 @@ class FSDP2Adapter:
 
     # FSDP lets go of buffers without an event of its groups only outside a forward (the final
     # callback, zero_grad) and at its outermost post-forward (the deferred all-gather output):
-    # inner modules' forwards leave the mirrors alone.
+    # inner modules' forwards leave the mirrors alone. Inside an FSDP forward, FSDP's shared state
+    # context has an ``iter_forward_root`` (the root's pre-forward ran, its post-forward not yet).
     def _forward_begins(self, state: Any) -> None:
-        if _inside_forward(state):
+        if getattr(state._state_ctx, "iter_forward_root", None) is not None:  # inside an FSDP forward
             return
         for mirror in self._mirrors.values():
             mirror.reconcile()
@@ -390,7 +391,7 @@ class FSDP2Adapter:
                 acct.reconcile()
 
     def _forward_ends(self, state: Any) -> None:
-        if _inside_forward(state):
+        if getattr(state._state_ctx, "iter_forward_root", None) is not None:  # inside an FSDP forward
             return
         for mirror in self._mirrors.values():  # the root's post-forward frees the deferred output
             mirror.reconcile()
@@ -642,12 +643,6 @@ class _Accounts:
         self.current.reconcile()
 
 
-def _inside_forward(state: Any) -> bool:
-    """Whether an FSDP forward runs around ``state``'s module (its root's pre-forward ran and its
-    post-forward did not yet), from FSDP's shared state context."""
-    return getattr(state._state_ctx, "iter_forward_root", None) is not None
-
-
 def _then(sink: EventSink, orig: Callable[..., Any], acct: _Accounts,
           event: Callable[[Any], None]) -> Callable[..., Any]:
     """``orig``, then ``event`` on the group's current accounts (``_AFTER_*``: a C-level
@@ -764,7 +759,10 @@ def _folded_pre_hook(sink: EventSink, key: str, fsdp_pre: Callable[..., Any], fi
     def hook(module: Any, args: Any, kwargs: Any) -> Any:
         if not live[0]:
             return fsdp_pre(module, args, kwargs)
-        _guarded(sink, first)
+        try:  # ``_guarded``, written out
+            first()
+        except Exception as exc:  # noqa: BLE001 - the tracker must never break training
+            sink.report_error(exc)
         sink.on_state(key, BEFORE_PRE_FORWARD)
         inputs_seen(key, args, kwargs)
         out = fsdp_pre(module, args, kwargs)
