@@ -341,8 +341,14 @@ class LightGroup:
             self.all_gather_seen = False
         if self.group._sharded_state is _UNSHARDED:
             if not self._unsharded:
-                self._unsharded = self._unsharded_bytes()
-                sink.add(self.dev, _UP, self._unsharded)
+                # ``_unsharded_bytes``, its usual case written out: FSDP keeps its all-gather
+                # outputs from one unshard to the next, so the figure learnt on them holds
+                full, known = self._full, self._first_output
+                outputs = self.params[0].all_gather_outputs if self.params else ()
+                if full is None or known is None or not outputs or outputs[0] is not known():
+                    full = self._unsharded_bytes()
+                self._unsharded = full
+                sink.add(self.dev, _UP, full)
             if self._post_forward:
                 sink.add(self.dev, _UP, -self._post_forward)
                 self._post_forward = 0
