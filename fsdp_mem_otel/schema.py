@@ -8,9 +8,11 @@ JSON and label values unchanged), with the state groups (forward, backward, ...)
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 
 class Category(StrEnum):
@@ -333,9 +335,17 @@ class StepAbort:
         )
 
 
+#: held while a report's field given to ``StepReport.fill_later`` is built (any report, any thread)
+_FILLING = threading.RLock()
+
+
 @dataclass
 class StepReport:
-    """What the tracker saw during one training step. Plain data, JSON-able via to_dict()."""
+    """What the tracker saw during one training step. Plain data, JSON-able via to_dict().
+
+    The tracker hands reports over with some fields built when first read (``fill_later``), on
+    whichever thread reads them: attributes like any other to readers, copies and pickles.
+    """
 
     step: int
     rank: int
@@ -364,8 +374,10 @@ class StepReport:
     #: FSDP groups light mode accounts per tensor because their own events cannot tell their
     #: buffers' bytes (see adapters/fsdp2_groups.py); 0 on every configuration tested
     fallback_groups: int = 0
-    #: None, or what stayed alive at the step's end and what keeps growing (see LeakReport)
-    leak: LeakReport | None = None
+    #: None, or what stayed alive at the step's end and what keeps growing (see LeakReport); a
+    #: factory (``NoneType()`` is None), not a default, leaves no class attribute: the tracker fills
+    #: it later (``fill_later``)
+    leak: LeakReport | None = field(default_factory=type(None))
     #: in a JSONL file: this line was written without module snapshots (the JSONL budget), and
     #: ``modules`` are those of this earlier step, which readers fill in; None: its own
     modules_from: int | None = None
@@ -403,6 +415,57 @@ class StepReport:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
+
+    def fill_later(self, on_error: Callable[[Exception], None] | None = None, **build: Callable[[], Any]) -> None:
+        """Build each field named here the first time it is read, as ``build[name]()`` (once, under
+        a lock: exporters read reports on their own threads), instead of now. The tracker's step
+        end gives the breakdowns, the leak report and the module reports this way: a job whose
+        exporters never read them (or read them on their own threads) never builds them on the
+        training thread. A function must give the same value whenever it is called. One that
+        raises, with ``on_error`` given, leaves its field empty (``leak``: None) and ``on_error``
+        gets the exception; without, the reader does."""
+        attrs = self.__dict__
+        for name in build:
+            if name not in _FILLED_LATER:
+                raise ValueError(f"{name!r} is not a field that can be filled later")
+            del attrs[name]  # read now: ``__getattr__`` builds it
+        later = attrs.get("_later")
+        if later is None:
+            attrs["_later"] = later = build
+        else:
+            later.update(build)
+        if on_error is not None:
+            attrs["_later_error"] = on_error
+
+    if not TYPE_CHECKING:  # for type checkers, the fields are plain attributes
+
+        def __getattr__(self, name: str) -> Any:
+            # Python calls this only for a name that is neither in the instance's __dict__ nor a
+            # class attribute: a field of ``fill_later`` not read yet, or a missing attribute
+            later = self.__dict__.get("_later")
+            if later is None or name not in later:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            with _FILLING:
+                attrs = self.__dict__
+                if name not in attrs:
+                    attrs[name] = self._built(name, later[name])
+                return attrs[name]
+
+    def _built(self, name: str, build: Callable[[], Any]) -> Any:
+        try:
+            return build()
+        except Exception as exc:
+            on_error = self.__dict__.get("_later_error")
+            if on_error is None:
+                raise
+            on_error(exc)
+            return _FILLED_LATER[name]()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The fields, each built (copies and pickles never carry a ``fill_later`` function)."""
+        for name in list(self.__dict__.get("_later") or ()):
+            getattr(self, name)
+        return {k: v for k, v in self.__dict__.items() if k != "_later" and k != "_later_error"}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], copy: bool = True) -> StepReport:
@@ -454,6 +517,13 @@ class StepReport:
         if device is not None:
             return self.peak.get(device, {}).get(TOTAL, 0)
         return max((c.get(TOTAL, 0) for c in self.peak.values()), default=0)
+
+
+#: the fields ``StepReport.fill_later`` takes, with what each reads as when its function fails: the
+#: breakdowns, the leak report, the modules (fields without a default, which a missing instance
+#: attribute would read instead of ``__getattr__``)
+_FILLED_LATER: dict[str, Callable[[], Any]] = {
+    "peak": dict, "current": dict, "modules": dict, "module_order": list, "leak": type(None)}
 
 
 def empty_breakdown() -> dict[str, int]:

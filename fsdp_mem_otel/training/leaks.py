@@ -9,14 +9,19 @@ and at half the steps or more: a
 plateau after warm-up, the optimizer state created at step 1, a learning-rate warm-up that
 changes nothing in memory, never qualify; a graph kept alive every step (``losses.append(loss)``
 with ``retain_graph``), a list of each step's inputs, do, even every other step. The growth per
-step is the least-squares slope over the window. Plain Python: unit-tested without FSDP.
+step is the least-squares slope over the window. The tracker takes the report when it is read
+(``observe_later``): the step end only keeps its totals and takes the window and the holders.
+Plain Python: unit-tested without FSDP.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import functools
+from collections.abc import Callable
+from operator import itemgetter, mul
+from typing import Any
 
-from fsdp_mem_otel.schema import CATEGORIES, TOTAL, DeviceBreakdown, LeakReport
+from fsdp_mem_otel.schema import CATEGORY_KEYS, DeviceBreakdown, LeakReport, device_counters
 
 #: step ends in the window by default (FSDP_MEM_OTEL_LEAK_WINDOW)
 DEFAULT_WINDOW = 30
@@ -24,7 +29,8 @@ DEFAULT_WINDOW = 30
 DEFAULT_MIN_STEPS = 5
 #: modules named in a report, the largest holders first
 TOP_HOLDERS = 8
-_KEYS = (*CATEGORIES, TOTAL)
+_KEYS = CATEGORY_KEYS  # the categories and their total, in the order of a snapshot's counters
+_NOTHING = (0,) * len(_KEYS)
 
 
 class LeakWatch:
@@ -37,53 +43,67 @@ class LeakWatch:
             raise ValueError(f"min_steps must be an int from 2 to window / 2 ({window // 2}); got {min_steps!r}")
         self.window = window
         self.min_steps = min_steps
-        self._ends: deque[dict[str, int]] = deque(maxlen=window)
+        # per step end, bytes indexed like _KEYS; only appended to (a report reads its window in it
+        # later), and started again from the last window when twice as long
+        self._ends: list[tuple[int, ...]] = []
 
     def observe(self, current: DeviceBreakdown, held: dict[str, int]) -> LeakReport | None:
         """One step end: its live breakdown and the bytes each module's tensors still hold.
         Returns what is growing and who holds what, or None when nothing is."""
-        totals = dict.fromkeys(_KEYS, 0)  # every step, on the training thread: loops, no generators
-        for cats in current.values():
-            for c in _KEYS:
-                totals[c] += cats.get(c, 0)
-        ends = self._ends
-        ends.append(totals)
-        growing: dict[str, float] = {}
-        if len(ends) >= 2 * self.min_steps:
-            first = ends[0]
-            for c, last in totals.items():
-                # Never falling and rising at least once means ending above the start: the common
-                # flat category is settled here, without a call.
-                if last > first[c] and (slope := self._growth(c)) > 0:
-                    growing[c] = slope
-        holding = [kv for kv in held.items() if kv[1] > 0]  # at a healthy step's end: none
-        holders = dict(sorted(holding, key=lambda kv: -kv[1])) if holding else {}
-        if not growing and not holders:
-            return None
-        top = dict(list(holders.items())[:TOP_HOLDERS])
-        return LeakReport(growing=growing, held=top, held_elsewhere=sum(holders.values()) - sum(top.values()),
-                          steps=len(self._ends))
+        counters = {d: tuple(cats.get(c, 0) for c in _KEYS) for d, cats in current.items()}
+        return self.observe_later(counters, held)()
 
-    def _growth(self, category: str) -> float:
-        # One pass (a leaking job calls this every step, for each growing category): never
-        # falling, rising at least ``min_steps`` times and at half the steps or more; the slope is
-        # the least-squares one, in closed form for x = 0..n-1.
+    def observe_later(self, snap: Any, held: dict[str, int]) -> Callable[[], LeakReport | None]:
+        """``observe`` with the live breakdown as a snapshot's counters (``schema.device_counters``:
+        per device, bytes indexed like ``CATEGORY_KEYS``), as the tracker has it at a step end; its
+        report as a function that builds it when called, on any thread, at any time (the window
+        and the holders as they are now)."""
+        # every step, on the training thread: the step end kept, where its window ends and the
+        # holders taken (no copy of the window: a step end touches as little as it can)
+        if len(snap) == 2 and snap.__class__ is tuple:  # one device: nearly every job
+            totals = snap[1]
+        else:
+            columns = [c for _, c in device_counters(snap)]
+            totals = tuple(map(sum, zip(*columns, strict=True))) if columns else _NOTHING
         ends = self._ends
-        n = len(ends)
-        if n < 2 * self.min_steps or ends[-1][category] <= ends[0][category]:
-            return 0.0
-        prev = ends[0][category]
-        rises = sum_y = sum_xy = 0
-        x = 0
-        for e in ends:
-            y = e[category]
-            if y < prev:
-                return 0.0
-            rises += y > prev
-            sum_y += y
-            sum_xy += x * y
-            prev = y
-            x += 1
-        if rises < max(self.min_steps, (n - 1) // 2):
-            return 0.0
-        return (2 * sum_xy - (n - 1) * sum_y) / (n * (n * n - 1) / 6)  # an exact integer numerator
+        if len(ends) >= 2 * self.window:
+            ends = self._ends = ends[-self.window:]  # the reports taken so far keep the old list
+        ends.append(totals)
+        holding = [kv for kv in held.items() if kv[1] > 0] if held and max(held.values()) > 0 else []
+        return functools.partial(_leak_report, ends, len(ends), self.window, holding, self.min_steps)
+
+
+def _leak_report(log: list[tuple[int, ...]], n: int, window: int, holding: list[tuple[str, int]],
+                 min_steps: int) -> LeakReport | None:
+    """What grows over the ``window`` step ends of ``log`` before ``n`` (its step end), and who of
+    ``holding`` (the modules holding bytes then) holds most; None when nothing does."""
+    ends = log[max(0, n - window):n]
+    growing: dict[str, float] = {}
+    if len(ends) >= 2 * min_steps:
+        first, totals = ends[0], ends[-1]
+        for i, last in enumerate(totals):
+            # Never falling and rising at least once means ending above the start: the common
+            # flat category is settled here, without a call.
+            if last > first[i] and (slope := _growth(ends, i, min_steps)) > 0:
+                growing[_KEYS[i]] = slope
+    if not growing and not holding:  # at a healthy step's end: no holder
+        return None
+    holders = dict(sorted(holding, key=lambda kv: -kv[1])) if holding else {}
+    top = dict(list(holders.items())[:TOP_HOLDERS])
+    return LeakReport(growing=growing, held=top, held_elsewhere=sum(holders.values()) - sum(top.values()),
+                      steps=len(ends))
+
+
+def _growth(ends: list[tuple[int, ...]], i: int, min_steps: int) -> float:
+    # Category ``i`` over the window (built-ins over it: a leaking job's every report runs this for
+    # each growing category): never falling, rising at least ``min_steps`` times and at half the
+    # steps or more; the slope is the least-squares one, in closed form for x = 0..n-1.
+    ys = list(map(itemgetter(i), ends))
+    n = len(ys)
+    if n < 2 * min_steps or ys[-1] <= ys[0] or ys != sorted(ys):
+        return 0.0
+    rises = len(set(ys)) - 1  # never falling: each rise reaches a value not seen before
+    if rises < max(min_steps, (n - 1) // 2):
+        return 0.0
+    sum_xy = sum(map(mul, range(n), ys))
+    return (2 * sum_xy - (n - 1) * sum(ys)) / (n * (n * n - 1) / 6)  # an exact integer numerator

@@ -13,8 +13,10 @@ The ledger knows tensors and storages but nothing about FSDP.
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,8 +26,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp_mem_otel import env
-from fsdp_mem_otel.schema import breakdown_of
-from fsdp_mem_otel.training.counters import INDEX, Counters, RawBreakdown
+from fsdp_mem_otel.schema import DeviceBreakdown, breakdown_of
+from fsdp_mem_otel.training.counters import INDEX, Counters, RawBreakdown, Snap, snap_of
 
 # The CUDA caching allocator rounds every block up to 512 bytes (same rule as upstream MemTracker).
 _CUDA_MIN_BLOCK = 512 if os.environ.get(env.PYTORCH_NO_CUDA_MEMORY_CACHING, "0") == "0" else 1
@@ -265,6 +267,18 @@ class Ledger(Counters):
             if delta:
                 self._add(device, cat, delta)
 
+
+    # -- reading --------------------------------------------------------------------------------
+    def step_end_later(self) -> tuple[Snap, Callable[[], DeviceBreakdown]]:
+        """The counters now, as a ``Snap`` (``snap()``), and ``step_peak()`` as a function that
+        builds it when called, on any thread, at any time (built now where a ``window_watch``
+        adjusts it: that reads the allocator now)."""
+        if self.window_watch is not None:
+            peak = self.step_peak()
+            return self.snap(), lambda: peak
+        self.flush()
+        self._step.settle(self._cur)
+        return snap_of(self._cur), functools.partial(breakdown_of, snap_of(self._step.snap or {}))
 
     # -- introspection -------------------------------------------------------------------------
     def __len__(self) -> int:

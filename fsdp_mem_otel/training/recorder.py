@@ -19,9 +19,11 @@ that carries them, module spans, Prometheus detail series) never takes them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fsdp_mem_otel.schema import (
@@ -181,6 +183,7 @@ class StepRecorder:
         self.context = context if context is not None else StepContext()
         #: reuses a light step's replay where the next step logs the same (``replay_memo``)
         self.memo = ReplayMemo(ledger, self)
+        self._totals = _Totals(ledger)
         self.reset()
         ledger.memo = self.memo  # after the first reset: what was pending before is not this recorder's
 
@@ -206,7 +209,6 @@ class StepRecorder:
         if self.ledger.pending is not None:
             self._replay = StepReplay(self.ledger.raw())
             self.ledger.retain(self._replay.keep)
-        self._totals = _Totals(self.ledger)
 
     # -- events --------------------------------------------------------------------------------
     def on_state(self, key: str, state: str, in_backward: bool = False, windowed: bool = True,
@@ -340,33 +342,15 @@ class StepRecorder:
         gets its positions in the step's log and its peak totals (from the peak snapshots, or a
         light step's window totals); it builds its dicts when first read (a light step's from the
         snapshots its ``StepReplay`` takes then)."""
+        return self.modules_later()()
+
+    def modules_later(self) -> Callable[[], dict[str, ModuleReport]]:
+        """``modules`` as of now, as a function that builds them when called, on any thread, at
+        any time: the step's log is only ever appended to, and the next step starts new lists."""
         self.ledger.flush()
-        states, snaps = self._states, self._snaps
-        at: dict[str, list[int]] = {}
-        peaks: dict[str, list[int | None]] = {}  # key -> [forward, backward] peak totals
-        for i, key in enumerate(self._keys):  # one pass: the step's log is ~10 entries per module
-            where = at.get(key)
-            if where is None:
-                at[key] = [i]
-            else:
-                where.append(i)
-            state = states[i]
-            if state == PEAK_FORWARD or state == PEAK_BACKWARD:
-                snap = snaps[i]  # a light step's: the window's total; else, nearly always one device
-                total = snap if snap.__class__ is int else snap[1][_TOTAL] if len(snap) == 2 \
-                    else largest_total([snap])
-                both = peaks.get(key)
-                if both is None:
-                    both = peaks[key] = [None, None]
-                side = 0 if state == PEAK_FORWARD else 1
-                both[side] = max(both[side] or 0, total)
-        replay = self._replay
-        log = (states, replay.snaps if replay is not None else snaps, self._times)  # a light step's: when read
-        out: dict[str, ModuleReport] = {}
-        for key, where in at.items():
-            fwd, bwd = peaks.get(key) or (None, None)
-            out[key] = CountedModuleReport(None, None, (fwd, bwd), log, tuple(where))
-        return out
+        replay = self._replay  # a light step's snapshots are replayed when read
+        log = (self._states, replay.snaps if replay is not None else self._snaps, self._times)
+        return functools.partial(_module_reports, self._keys, len(self._keys), self._snaps, log)
 
     # -- where are we --------------------------------------------------------------------------
     @property
@@ -387,3 +371,33 @@ class StepRecorder:
         else:
             return "", ""
         return key, next((self._states[i] for i in range(len(keys) - 1, -1, -1) if keys[i] == key), "")
+
+
+def _module_reports(keys: list[str], n: int, snaps: list[Any], log: tuple[list[str], Any, list[int]],
+                    ) -> dict[str, ModuleReport]:
+    """``StepRecorder.modules`` from the step's log: its first ``n`` entries' ``keys``, their
+    snapshots as recorded (a light step's: its windows' totals) and the log the reports read."""
+    states = log[0]
+    at: dict[str, list[int]] = {}
+    peaks: dict[str, list[int | None]] = {}  # key -> [forward, backward] peak totals
+    for i, key in enumerate(keys[:n]):  # one pass: the step's log is ~10 entries per module
+        where = at.get(key)
+        if where is None:
+            at[key] = [i]
+        else:
+            where.append(i)
+        state = states[i]
+        if state == PEAK_FORWARD or state == PEAK_BACKWARD:
+            snap = snaps[i]  # a light step's: the window's total; else, nearly always one device
+            total = snap if snap.__class__ is int else snap[1][_TOTAL] if len(snap) == 2 \
+                else largest_total([snap])
+            both = peaks.get(key)
+            if both is None:
+                both = peaks[key] = [None, None]
+            side = 0 if state == PEAK_FORWARD else 1
+            both[side] = max(both[side] or 0, total)
+    out: dict[str, ModuleReport] = {}
+    for key, where in at.items():
+        fwd, bwd = peaks.get(key) or (None, None)
+        out[key] = CountedModuleReport(None, None, (fwd, bwd), log, tuple(where))
+    return out

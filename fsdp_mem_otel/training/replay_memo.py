@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from operator import add
 from typing import Any
 
 from fsdp_mem_otel.training.counters import _T, _Window
@@ -73,14 +74,11 @@ class _Shift:
     def __init__(self, device: str, vector: tuple[int, ...], total: int) -> None:
         self.device, self.vector, self.total = device, vector, total
 
-    def counters(self, c: Any) -> list[int]:
-        return [a + b for a, b in zip(c, self.vector, strict=True)]
-
     def window(self, state: _State) -> _State:
         peak, live, snap = state
         d = self.device
         return ({d: peak[d] + self.total}, set(live),
-                None if snap is None else {d: tuple(self.counters(snap[d]))})
+                None if snap is None else {d: tuple(map(add, snap[d], self.vector))})
 
 
 class ReplayMemo:
@@ -303,9 +301,12 @@ class ReplayMemo:
 
     def _put_back(self, pending: list[Any], part: _Part, n: int, taken: list[bool]) -> None:
         # everything computed first, then the part taken off the log (``taken`` says so) and the
-        # state assigned
+        # state assigned; every step end puts a part back: loops, no comprehension (a frame each)
+        # where a loop does, none for an empty list
         counters, rec, shift = self._counters, self._recorder, self._shift
-        cur = {d: list(c) if shift is None else shift.counters(c) for d, c in part.cur.items()}
+        cur = {}
+        for d, c in part.cur.items():
+            cur[d] = list(c) if shift is None else list(map(add, c, shift.vector))  # both a counter list long
         step = shift.window(part.step) if shift else _copied(part.step)
         windows = []
         for state in part.windows:
@@ -313,9 +314,10 @@ class ReplayMemo:
             w.peak, w.live, w.snap = shift.window(state) if shift else _copied(state)
             windows.append(w)
         # a light step's window totals are ints; its state snapshots, taken when read, ()
-        snaps = part.snaps if shift is None else [s + shift.total if s.__class__ is int else s for s in part.snaps]
+        snaps = part.snaps if shift is None or not part.snaps else \
+            [s + shift.total if s.__class__ is int else s for s in part.snaps]
         now = time.time_ns()
-        times = [pending[p] if p >= 0 else now for p in part.time_src]
+        times = [pending[p] if p >= 0 else now for p in part.time_src] if part.time_src else []
         log = pending[:n]
         del pending[:n]
         taken.append(True)

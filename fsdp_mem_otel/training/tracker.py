@@ -9,6 +9,7 @@ error containment and aborted steps (``containment.py``), and turns each step in
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -30,13 +31,14 @@ from fsdp_mem_otel import env
 from fsdp_mem_otel.config import TrackerConfig
 from fsdp_mem_otel.exporters import Exporter
 from fsdp_mem_otel.failures import FailureLog
-from fsdp_mem_otel.schema import INPUTS, WARNING_NOTHING_SHARDED, WARNING_OPTIMIZER_NO_STATE, StepReport
+from fsdp_mem_otel.schema import INPUTS, WARNING_NOTHING_SHARDED, WARNING_OPTIMIZER_NO_STATE, StepReport, breakdown_of
 from fsdp_mem_otel.training.adapters import make_adapter
 from fsdp_mem_otel.training.adapters.base import iter_tensors
 from fsdp_mem_otel.training.allocator import AllocatorProbe
 from fsdp_mem_otel.training.allocator_temps import allocator_temps
 from fsdp_mem_otel.training.compile_support import keep_out_of_dynamo
 from fsdp_mem_otel.training.containment import ErrorPolicy, StepAborts
+from fsdp_mem_otel.training.counters import totals_of
 from fsdp_mem_otel.training.deep_steps import DeepSteps
 from fsdp_mem_otel.training.leaks import LeakWatch
 from fsdp_mem_otel.training.ledger import Ledger
@@ -105,13 +107,13 @@ class FSDPMemoryTracker:
         keep_out_of_dynamo()
         self._adapter = make_adapter(model, self._sink)
         self._deep = DeepSteps(config, model, self.ledger, self.context, self._sink, self._adapter, self.report_error)
+        self._module_order = self._adapter.module_keys()  # as each report has them; an FSDP1 attach looks again
         if optimizers:
             _check_optimizer_covers_model(self._optimizers.params(), model)
-        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         self.local_rank = int(os.environ.get(env.LOCAL_RANK, self.rank))
-        self.steps_completed = 0
-        self.attached = False
+        self.steps_completed, self.attached = 0, False
         self._owner_thread: int | None = None
         self._nothing_sharded = False
         self._start_step()
@@ -142,6 +144,7 @@ class FSDPMemoryTracker:
         try:
             self._owner_thread = threading.get_ident()
             self._adapter.attach()
+            self._module_order = self._adapter.module_keys()
             for t, category in self._adapter.persistent_tensors():
                 self.ledger.track(t, category)
             self._optimizers.attach()
@@ -203,11 +206,12 @@ class FSDPMemoryTracker:
         end_ns = time.time_ns()
         report = StepReport(
             step=self.steps_completed, rank=self.rank, world_size=self.world_size, mode=self._deep.step_mode,
-            fsdp_version=self.fsdp_version, peak={}, modules={}, module_order=self.module_keys,
-            duration_seconds=time.perf_counter() - self._step_started, errors_total=self.errors_total,
+            fsdp_version=self._adapter.fsdp_version, peak={}, modules={},
+            duration_seconds=time.perf_counter() - self._step_started,
             timestamp=end_ns / 1e9, local_rank=self.local_rank, start_time_ns=self._step_started_ns,
             end_time_ns=end_ns, deep_skipped=self._deep.skipped,
         )
+        later: dict[str, Any] = {"module_order": self._module_order.copy}  # fields built when read (exporters' threads)
         try:
             report.tracker_overhead_seconds = self._sink.overhead
             self._sink.end_step()  # a forward that raised before its end left hooks pushed
@@ -218,14 +222,15 @@ class FSDPMemoryTracker:
             self._adapter.reconcile()
             report.fallback_groups = self._adapter.fallback_groups
             self.recorder.close_open_windows()
-            report.peak = self.ledger.step_peak()
-            report.current = self.ledger.snapshot()
-            report.leak = self._leaks.observe(report.current, self.ledger.owner_bytes)
-            report.allocator = self._probe.step_stats({d: c["total"] for d, c in report.current.items()})
-            report.modules = self.recorder.modules
+            now, later["peak"] = self.ledger.step_end_later()
+            later["current"] = functools.partial(breakdown_of, now)
+            later["leak"] = self._leaks.observe_later(now, self.ledger.owner_bytes)
+            report.allocator = self._probe.step_stats(totals_of(now))
+            later["modules"] = self.recorder.modules_later()
         except Exception as exc:  # noqa: BLE001
             self.report_error(exc)
-        report.errors_total = self.errors_total
+        report.fill_later(functools.partial(_failed_later, weakref.ref(self)), **later)  # what was taken
+        report.errors_total = self._errors.total  # the step's own failures included
         self._deep.end()
         self._start_step()
         self.ledger.reset_step()
@@ -235,14 +240,13 @@ class FSDPMemoryTracker:
             except Exception as exc:  # noqa: BLE001 - an exporter must not break training
                 self.report_error(exc, may_disable=False)  # counted; measuring stays on
         if self.attached:
-            self._deep.begin(self.steps_completed + 1, not self.disabled)
+            self._deep.begin(self.steps_completed + 1, not self._errors.disabled)
         return report
 
     def _start_step(self) -> None:
         self.recorder.reset()
         self._aborts.take()
-        self._step_started = time.perf_counter()
-        self._step_started_ns = time.time_ns()
+        self._step_started, self._step_started_ns = time.perf_counter(), time.time_ns()
 
     # -- what training code calls besides step() -------------------------------------------------
     def track_inputs(self, obj: Any) -> None:
@@ -337,6 +341,15 @@ def _checked(model: nn.Module, mode: str | None, deep_every: int | None, config:
         if not (callable(getattr(exp, "export", None)) and callable(getattr(exp, "shutdown", None))):
             raise TypeError(f"exporters[{i}] must have export(report) and shutdown(); got {type(exp).__name__}")
     return config if config is not None else TrackerConfig.from_env(None, **overrides)
+
+
+def _failed_later(tracker: weakref.ref[FSDPMemoryTracker], exc: Exception) -> None:
+    """A report's field built when read (``StepReport.fill_later``), perhaps on an exporter's
+    thread, failed: counted, not towards detaching (the tracker held weakly: a report kept must
+    not keep the model)."""
+    counting = tracker()
+    if counting is not None:
+        counting.report_error(exc, may_disable=False)
 
 
 def _check_optimizer_covers_model(opt_params: list[torch.Tensor], model: nn.Module) -> None:
