@@ -82,15 +82,15 @@ def timed(name: str, fn: Callable[..., Any], times: collections.Counter[str] = T
 
 #: ``--nested``: methods timed inside the entry points (every call, nested or not), to split them
 NESTED_POINTS: dict[str, tuple[str, ...]] = {
-    "fsdp_mem_otel.training.recorder.StepRecorder": ("on_state", "close_open_windows"),
-    "fsdp_mem_otel.training.ledger.Ledger": ("track_new", "snap", "open_window", "close_window_raw", "step_peak",
+    "fsdp_mem_otel.training.recorder.StepRecorder": ("on_state", "close_open_windows", "modules_later"),
+    "fsdp_mem_otel.training.ledger.Ledger": ("track_new", "snap", "open_window", "close_window_raw", "step_end_later",
                                              "flush"),
     "fsdp_mem_otel.training.adapters.fsdp2_groups.CommMirror": ("before_wait", "after_wait", "after_post_backward",
                                                                 "reconcile"),
     "fsdp_mem_otel.training.adapters.fsdp2_groups.LightGroup": ("after_unshard", "after_wait", "after_reshard",
                                                                 "before_post_backward", "after_post_backward",
                                                                 "reconcile"),
-    "fsdp_mem_otel.training.leaks.LeakWatch": ("observe",),
+    "fsdp_mem_otel.training.leaks.LeakWatch": ("observe_later",),
     "fsdp_mem_otel.training.adapters.fsdp2.FSDP2Adapter": ("reconcile",),
 }
 NESTED: collections.Counter[str] = collections.Counter()
