@@ -91,7 +91,9 @@ NESTED_POINTS: dict[str, tuple[str, ...]] = {
                                                                 "before_post_backward", "after_post_backward",
                                                                 "reconcile"),
     "fsdp_mem_otel.training.leaks.LeakWatch": ("observe_later",),
-    "fsdp_mem_otel.training.adapters.fsdp2.FSDP2Adapter": ("reconcile",),
+    "fsdp_mem_otel.training.adapters.fsdp2.FSDP2Adapter": ("reconcile", "light_state", "restore_light_state"),
+    "fsdp_mem_otel.training.step_script.StepScript": ("before_flush", "end_step", "forward_begins"),
+    "fsdp_mem_otel.training.replay_memo.ReplayMemo": ("reuse",),
 }
 NESTED: collections.Counter[str] = collections.Counter()
 NESTED_CALLS: collections.Counter[str] = collections.Counter()
@@ -103,18 +105,16 @@ def nested(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def instrument_nested() -> None:
-    """``--nested``: timers on ``NESTED_POINTS`` and on ``StepRecorder.modules`` (their own cost
-    adds to the entry points that call them: read the entry table of such a run as an upper bound)."""
+    """``--nested``: timers on ``NESTED_POINTS`` (their own cost adds to the entry points that
+    call them: read the entry table of such a run as an upper bound)."""
     import importlib
-
-    from fsdp_mem_otel.training.recorder import StepRecorder
 
     for path, names in NESTED_POINTS.items():
         module, _, cls_name = path.rpartition(".")
         cls = getattr(importlib.import_module(module), cls_name)
         for name in names:
-            setattr(cls, name, nested(f"{cls_name}.{name}", getattr(cls, name)))
-    StepRecorder.modules = property(nested("StepRecorder.modules", StepRecorder.modules.fget))  # type: ignore[assignment,method-assign,arg-type]
+            if hasattr(cls, name):  # older trees have fewer
+                setattr(cls, name, nested(f"{cls_name}.{name}", getattr(cls, name)))
 
 
 def timer_cost(n: int = 20000) -> tuple[float, float]:

@@ -37,6 +37,7 @@ _ENV_FIELDS = {
     env.FSDP_MEM_OTEL_ENABLED: "enabled",
     env.FSDP_MEM_OTEL_RESET_PEAKS: "reset_peaks",
     env.FSDP_MEM_OTEL_ACTIVATIONS: "activations",
+    env.FSDP_MEM_OTEL_REPLAY_STEPS: "replay_steps",
     env.FSDP_MEM_OTEL_DEEP_WHEN_COMPILED: "deep_when_compiled",
     env.FSDP_MEM_OTEL_LEAK_WINDOW: "leak_window",
 }
@@ -82,6 +83,11 @@ class TrackerConfig:
         activations: light mode accounts the tensors autograd saves for backward during FSDP
             forwards as ``activation`` (saved-tensor hooks; see activations.py). Turn off for
             models that call ``torch.func`` transforms inside an FSDP module's forward.
+        replay_steps: light mode sees saved activations on the steps that learn them and
+            replays them, without hooks, on the steps that repeat those (the same inputs' shapes,
+            the same FSDP events; checked every 16th step; step_script.py): what autograd
+            saves costs nothing there. False: every step runs the hooks. A step the script did
+            not fit is counted (``StepReport.replay_misses``).
         deep_when_compiled: a deep step on a model with ``torch.compile``'d regions: "skip"
             (default: the step stays light, compiled code keeps running compiled, and the report
             says why) or "eager" (the step runs with compilation switched off, so deep mode sees
@@ -97,6 +103,7 @@ class TrackerConfig:
     enabled: bool = True
     reset_peaks: bool = False
     activations: bool = True
+    replay_steps: bool = True
     deep_when_compiled: str = "skip"
     leak_window: int = 30
 
@@ -110,7 +117,7 @@ class TrackerConfig:
         check_int("deep_every", self.deep_every)
         check_int("max_errors", self.max_errors)
         check_int("leak_window", self.leak_window, 10)
-        for name in ("enabled", "reset_peaks", "activations"):
+        for name in ("enabled", "reset_peaks", "activations", "replay_steps"):
             check_bool(name, getattr(self, name))
 
     def is_deep(self, step: int) -> bool:

@@ -8,7 +8,9 @@ gradients keep their own category) and hands autograd a detached alias with the 
 unpack gives it back after autograd's own version check (which saved-tensor hooks turn off: an
 in-place change of a saved tensor raises as it does untracked).
 The storage's bytes leave the ledger when it is freed, i.e. when backward releases it. There is
-no per-op interception: the hooks run once per saved tensor.
+no per-op interception: the hooks run once per saved tensor. What the forward's hooks see counts
+under ``SCRIPTED`` (the activation category, told apart in the ledger's log), so that the steps
+that repeat a learnt one can replay it without the hooks (``step_script.py``).
 
 Composition:
 - Hooks pushed by the user before the forward (``save_on_cpu``, custom offloading) would be
@@ -36,11 +38,10 @@ from typing import Any
 import torch
 
 from fsdp_mem_otel.schema import ACTIVATION
-from fsdp_mem_otel.training.ledger import INDEX, Ledger
+from fsdp_mem_otel.training.ledger import INDEX, SCRIPTED, Ledger
 
 _STRIDED = torch.strided
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
-_ACTIVATION = INDEX[ACTIVATION]
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
@@ -86,11 +87,15 @@ def _remove_hooks(pack: Callable[[torch.Tensor], Any]) -> None:
 
 
 class SavedTensorAccounting:
-    """Pushes accounting saved-tensor hooks for one forward at a time; never raises."""
+    """Pushes accounting saved-tensor hooks for one forward at a time; never raises.
+
+    ``scripted``: what it sees counts under ``SCRIPTED`` (a step's saved activations, which later
+    steps may replay: ``step_script.py``), else as plain ``activation``."""
 
     def __init__(self, ledger: Ledger, on_error: Callable[[BaseException], None],
-                 owners: list[str] | None = None) -> None:
+                 owners: list[str] | None = None, scripted: bool = True) -> None:
         self._ledger = ledger
+        self._cat = SCRIPTED if scripted else INDEX[ACTIVATION]
         self._entries = ledger._entries
         self._on_error = on_error
         #: the FSDP modules whose forward runs, innermost last: a saved tensor is the innermost's
@@ -146,9 +151,9 @@ class SavedTensorAccounting:
                     st = t.untyped_storage()
                     if id(st) not in self._entries:
                         owners = self._owners
-                        self._ledger._new_entry(st, _ACTIVATION, None, owners[-1] if owners else None)
+                        self._ledger._new_entry(st, self._cat, None, owners[-1] if owners else None)
                 else:
-                    self._ledger.track_new(t, ACTIVATION, self._owners[-1] if self._owners else None)
+                    self._ledger.track_new_at(t, self._cat, self._owners[-1] if self._owners else None)
             except Exception as exc:  # noqa: BLE001 - accounting must never break autograd
                 self._on_error(exc)
         # A saved output held as itself would tie it to its own grad_fn, a cycle through C++ that
@@ -163,7 +168,7 @@ class SavedTensorAccounting:
             return saved
 
     def _chain(self, their_pack: Callable[[torch.Tensor], Any], _: Any) -> Callable[[torch.Tensor], Any]:
-        ledger, on_error, owners = self._ledger, self._on_error, self._owners
+        ledger, on_error, owners, cat = self._ledger, self._on_error, self._owners, self._cat
 
         def pack(t: torch.Tensor) -> Any:
             packed = their_pack(t)
@@ -171,10 +176,10 @@ class SavedTensorAccounting:
                 return packed
             try:  # what is saved (alive as long as someone holds it) and what they keep of it
                 owner = owners[-1] if owners else None
-                ledger.track_new(t, ACTIVATION, owner)
+                ledger.track_new_at(t, cat, owner)
                 for obj in packed if isinstance(packed, tuple) else (packed,):
                     if isinstance(obj, torch.Tensor):
-                        ledger.track_new(obj, ACTIVATION, owner)
+                        ledger.track_new_at(obj, cat, owner)
             except Exception as exc:  # noqa: BLE001
                 on_error(exc)
             return packed

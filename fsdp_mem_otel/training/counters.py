@@ -38,6 +38,11 @@ from fsdp_mem_otel.schema import CATEGORY_KEYS, DeviceBreakdown, breakdown_of
 INDEX: dict[str, int] = {c: i for i, c in enumerate(CATEGORY_KEYS)}
 _N = len(CATEGORY_KEYS)
 _T = INDEX["total"]
+#: the category index of light mode's saved activations, which a step may replay instead of
+#: seeing (``step_script.StepScript``): the activation slot counted from the end, so that every
+#: counter list adds it to ``activation`` as it stands, and a log tells it apart (< 0); any
+#: category ``c`` has its scripted twin ``c - _N`` so
+SCRIPTED = INDEX["activation"] - _N
 
 #: device -> counters (a list indexed like CATEGORY_KEYS): the live counters, ``raw()``
 RawBreakdown = dict[str, list[int]]

@@ -27,12 +27,12 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp_mem_otel import env
 from fsdp_mem_otel.schema import DeviceBreakdown, breakdown_of
-from fsdp_mem_otel.training.counters import INDEX, Counters, RawBreakdown, Snap, snap_of
+from fsdp_mem_otel.training.counters import INDEX, SCRIPTED, Counters, RawBreakdown, Snap, snap_of
 
 # The CUDA caching allocator rounds every block up to 512 bytes (same rule as upstream MemTracker).
 _CUDA_MIN_BLOCK = 512 if os.environ.get(env.PYTORCH_NO_CUDA_MEMORY_CACHING, "0") == "0" else 1
 
-__all__ = ["INDEX", "Ledger", "RawBreakdown", "as_breakdown", "device_block", "rounded", "storages_of"]
+__all__ = ["INDEX", "SCRIPTED", "Ledger", "RawBreakdown", "as_breakdown", "device_block", "rounded", "storages_of"]
 
 
 def storages_of(t: torch.Tensor, fake_mode: Any = None) -> list[torch.UntypedStorage]:
@@ -82,7 +82,13 @@ class Ledger(Counters):
         self._entries: dict[int, _Entry] = {}
         #: FSDP module -> bytes of the storages it owns (``track_new(..., owner=)``) alive now
         self.owner_bytes: dict[str, int] = {}
+        #: entries alive under ``SCRIPTED``; what sees each part of the log before its replay, and
+        #: each step begin (``step_script.StepScript``), or None
+        self.scripted_entries = 0
+        self.script: Any = None
         super().__init__()
+        #: bytes of tracked storages freed since, per category (read without replaying the log)
+        self.freed = [0] * len(INDEX)
         self._devices: dict[torch.device, tuple[str, int]] = {}  # device -> (name, block)
         self._on_free = _free_callback(self._entries, weakref.ref(self))
         # count_fake(): an estimate's fake tensors count as memory on this device
@@ -95,6 +101,18 @@ class Ledger(Counters):
         (``fsdp-mem-otel estimate``); other fake tensors stay uncounted."""
         self.fake_mode, self._fake_device = fake_mode, device
         self._devices.clear()  # meta storages count on ``device`` from now on
+
+    def flush(self) -> None:
+        """``Counters.flush``, the step script seeing each part of the log first."""
+        script, pending = self.script, self.pending
+        if script is not None and pending and not self._replaying:
+            script.before_flush(pending)
+        super().flush()
+
+    def reset_step(self) -> None:
+        super().reset_step()
+        if self.script is not None:
+            self.script.new_step()
 
     # -- integer accounts ----------------------------------------------------------------------
     def add(self, device: str, category: str, delta: int) -> None:
@@ -127,15 +145,32 @@ class Ledger(Counters):
         """Account ``t`` under ``category`` only if its storage is not known yet (the hot path
         for saved activations: a known storage keeps its entry untouched); ``owner``: the FSDP
         module it belongs to, whose ``owner_bytes`` it counts in while alive."""
+        self.track_new_at(t, INDEX[category], owner)
+
+    def track_new_at(self, t: torch.Tensor, cat: int, owner: str | None = None) -> None:
+        """``track_new`` by category index (``INDEX``, or ``SCRIPTED``)."""
         cls = type(t)
         if (cls is torch.Tensor or cls is nn.Parameter) and t.layout is torch.strided:
             st = t.untyped_storage()
             if id(st) not in self._entries:
-                self._new_entry(st, INDEX[category], None, owner)
+                self._new_entry(st, cat, None, owner)
             return
         for st in storages_of(t, self.fake_mode):
             if id(st) not in self._entries:
-                self._new_entry(st, INDEX[category], None, owner)
+                self._new_entry(st, cat, None, owner)
+
+    def take_over(self, t: torch.Tensor, cat: int, owner: str) -> None:
+        """``track_new_at(t, cat, owner)``, and a storage known as ``SCRIPTED`` moves to ``cat``
+        and ``owner`` (the outermost module's inputs and outputs, which outlive the step)."""
+        for st in storages_of(t, self.fake_mode):
+            entry = self._entries.get(id(st))
+            if entry is None:
+                self._new_entry(st, cat, None, owner)
+            elif entry.cat == SCRIPTED:
+                self._relabel(entry, cat)
+                entry.owner = owner
+                if entry.nbytes:
+                    self.owner_bytes[owner] = self.owner_bytes.get(owner, 0) + entry.nbytes
 
     def knows(self, st: torch.UntypedStorage) -> bool:
         """Whether ``st`` has an entry (tracked, or ``hold``-ed at 0 bytes)."""
@@ -194,6 +229,8 @@ class Ledger(Counters):
             n = nbytes
         entry = self._entries[key] = _Entry(st, self._on_free)
         entry.key, entry.device, entry.cat, entry.nbytes, entry.block, entry.owner = key, name, cat, n, block, owner
+        if cat < 0:
+            self.scripted_entries += 1
         if n:
             pending = self.pending
             if pending is not None:
@@ -218,6 +255,8 @@ class Ledger(Counters):
         if n:
             self._add(entry.device, entry.cat, -n)
             self._add(entry.device, cat, n)
+        if entry.cat < 0:
+            self.scripted_entries -= 1
         entry.cat = cat
         if entry.owner is not None:  # named by FSDP, the optimizer, the inputs: no module's anymore
             self.owner_bytes[entry.owner] -= entry.nbytes
@@ -296,7 +335,7 @@ class _Entry(weakref.ref):  # type: ignore[type-arg]
     __slots__ = ("block", "cat", "device", "key", "nbytes", "owner")
     key: int  # id() of the storage
     device: str  # the device's name
-    cat: int  # category index (``INDEX``)
+    cat: int  # category index (``INDEX``, or ``SCRIPTED``)
     nbytes: int  # as counted (rounded to the allocator's block)
     block: int  # the allocator's rounding: 512 on CUDA (with caching), else 1
     owner: str | None  # the FSDP module whose saved tensors, inputs or outputs these are
@@ -316,7 +355,10 @@ def _free_callback(entries: dict[int, _Entry], ledger_ref: weakref.ref[Ledger]) 
         del entries[key]
         n = ref.nbytes
         ledger = ledger_ref()
+        if ledger is not None and ref.cat < 0:
+            ledger.scripted_entries -= 1
         if ledger is not None and n:
+            ledger.freed[ref.cat] += n
             pending = ledger.pending
             if pending is not None:
                 pending.extend((ref.device, ref.cat, -n))  # ``_add``, written out: ~100 frees a step

@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from fsdp_mem_otel.schema import OPTIMIZER_STATE
-from fsdp_mem_otel.training.ledger import Ledger
+from fsdp_mem_otel.training.ledger import INDEX, Ledger
 from fsdp_mem_otel.training.recorder import StepContext
 
+_OPTIMIZER_STATE = INDEX[OPTIMIZER_STATE]
 logger = logging.getLogger(__name__)
 _MAX_DEPTH = 8
 
@@ -74,7 +75,7 @@ class OptimizerWatch:
         self._handles: list[Any] = []
         self._known: dict[int, weakref.ref[torch.Tensor]] = {}
         self._seen: list[tuple[int, int]] = []  # per optimizer (id, len) of its state at the last scan
-        self._bytes_seen = -1  # optimizer_state bytes in the ledger after the last scan
+        self._freed_seen = -1  # optimizer_state bytes the ledger had seen freed at the last scan
         #: the optimizers stepped with gradients present and held no state tensor (see step_end)
         self.no_state = False
         self._state_tensors = 0
@@ -134,13 +135,13 @@ class OptimizerWatch:
                             known[id(value)] = weakref.ref(value)
         self._state_tensors = count
         self._seen = [(id(opt.state), len(opt.state)) for opt in self.optimizers]
-        self._bytes_seen = self._ledger.category_bytes(OPTIMIZER_STATE)
+        self._freed_seen = self._ledger.freed[_OPTIMIZER_STATE]
         return count
 
     def _state_changed(self) -> bool:
         """Whether a scan could find state tensors not accounted yet: an optimizer's state holds
         other parameters, was replaced, or one of its tensors was freed (a replacement made)."""
-        if self._ledger.category_bytes(OPTIMIZER_STATE) < self._bytes_seen:
+        if self._ledger.freed[_OPTIMIZER_STATE] != self._freed_seen:  # read without replaying the step's log
             return True
         seen = self._seen
         if len(seen) != len(self.optimizers):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from operator import add
+from operator import add, itemgetter
 from typing import Any
 
 from fsdp_mem_otel.training.counters import _T, _Window
@@ -44,10 +44,13 @@ class _Part:
     """One replayed part of a step: its log with the times zeroed, where they were, and the state
     the replay left (the counters' and the step recorder's entries of that part)."""
 
-    __slots__ = ("ac_key", "cur", "in_ac", "keys", "masked", "phase", "rec_windows", "snaps", "states", "step",
-                 "time_src", "times_at", "windows")
+    __slots__ = ("ac_key", "cur", "expected", "fixed", "in_ac", "keys", "masked", "phase", "rec_windows", "snaps",
+                 "spliced", "states", "step", "time_src", "times_at", "windows")
     masked: list[Any]  # the log, each event's time 0
     times_at: list[int]  # where the times are
+    fixed: Any  # a C-level getter of everything else (``operator.itemgetter``)
+    expected: tuple[Any, ...]  # and what it must read
+    spliced: Any  # the step script's cut of a replayed step's log found equal to it, or None
     cur: dict[str, tuple[int, ...]]  # the counters after the part
     step: _State  # the step's window then
     windows: list[_State]  # the open windows then, outermost first
@@ -179,12 +182,16 @@ class ReplayMemo:
         n = len(part.masked)
         if len(pending) != n or (k == 0 and not self._starts_alike()):
             return None
-        log = pending[:n]
-        for p in part.times_at:
-            if log[p].__class__ is not int:  # a time, as the remembered part had there
-                return None
-            log[p] = 0
-        return (part, n) if log == part.masked else None
+        # a replayed step's log as the step script put it in (``step_script.py``), which this part
+        # was found equal to before: the same again
+        spliced = getattr(getattr(counters, "script", None), "spliced", None)
+        if spliced is not None and part.spliced is spliced:
+            return part, n
+        # everything but the times, equal: the same events, so a time where the part had one
+        if part.fixed(pending) != part.expected:
+            return None
+        part.spliced = spliced
+        return part, n
 
     def _learned(self, part_log: list[Any], events: list[int], failed: bool) -> None:
         k = self._k
@@ -286,6 +293,11 @@ class ReplayMemo:
         for p in times_at:
             masked[p] = 0
         part.masked, part.times_at = masked, times_at
+        timed = set(times_at)
+        fixed = [p for p in range(len(masked)) if p not in timed]
+        part.fixed = itemgetter(*fixed) if len(fixed) > 1 else lambda log: tuple(log[p] for p in fixed)
+        part.expected = tuple(masked[p] for p in fixed)
+        part.spliced = None
         part.cur = {d: tuple(c) for d, c in counters._cur.items()}
         if self._shiftable and part.cur.keys() != self._start.keys():  # type: ignore[union-attr]
             self._shiftable = False  # a device came: its counters started at 0, not shifted

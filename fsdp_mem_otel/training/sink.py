@@ -4,12 +4,13 @@
 ``on_error`` and never reaches FSDP) and does O(1) work: a state event takes one snapshot of the
 ledger's counters and opens or closes a peak window (``StepRecorder``; in light mode the event
 and the counter changes are only queued, and replayed in order when the counters are read:
-``counters.Counters.defer``); light mode's saved
-tensors are accounted by autograd's saved-tensor hooks (``SavedTensorAccounting``), pushed while
-the outermost FSDP forward runs and, for an FSDP module recomputed inside a checkpointed region,
-while it is recomputed; FSDP buffers enter the ledger as tensors (``track*``) or, where FSDP's own
-events tell their size and lifetime, as integers (``add``). It knows nothing of FSDP and holds no
-tensor: unit tests drive it directly (tests/training/test_sink.py).
+``counters.Counters.defer``); light mode's saved tensors are accounted by autograd's
+saved-tensor hooks (``SavedTensorAccounting``), pushed while the outermost FSDP forward runs (from
+its after_pre_forward, where its inputs decide whether the step sees them or replays what earlier
+steps saw: ``step_script.StepScript``) and, for an FSDP module recomputed inside a
+checkpointed region, while it is recomputed; FSDP buffers enter the ledger as tensors
+(``track*``) or, where FSDP's own events tell their size and lifetime, as integers (``add``). It
+knows nothing of FSDP and holds no tensor: unit tests drive it directly (tests/training/test_sink.py).
 """
 
 from __future__ import annotations
@@ -32,11 +33,16 @@ from fsdp_mem_otel.schema import (
 )
 from fsdp_mem_otel.training.activations import SavedTensorAccounting
 from fsdp_mem_otel.training.adapters.base import tensors_in
+from fsdp_mem_otel.training.counters import _N
 from fsdp_mem_otel.training.deep import release_backend_buffers
-from fsdp_mem_otel.training.ledger import Ledger, storages_of
+from fsdp_mem_otel.training.ledger import INDEX, SCRIPTED, Ledger, storages_of
 from fsdp_mem_otel.training.recorder import StepRecorder
+from fsdp_mem_otel.training.step_script import StepScript
 
 _in_backward = torch._C._current_graph_task_id
+_grad_on, _autocast_on = torch.is_grad_enabled, torch._C._is_any_autocast_enabled
+_ACTIVATION = INDEX[ACTIVATION]
+_SCALARS = (int, float, bool, str, type(None))
 _clock, _time_ns = time.perf_counter, time.time_ns  # bound once: ~140 calls a step
 _POST_FORWARD = frozenset({BEFORE_POST_FORWARD, AFTER_POST_FORWARD})
 #: states after which the allocator is sampled (window ends): its peaks are sampled maxima
@@ -57,16 +63,17 @@ class Sink:
         on_error: called with each internal failure (the tracker counts and logs it).
         sample: called at window ends to sample the device allocator (the tracker's probe), or
             None where there is nothing to sample (no CUDA: the call alone cost ~1.6 us in place).
-        activations: account saved tensors in light mode (``TrackerConfig.activations``).
+        config: light mode's switches (``TrackerConfig``): ``activations``, account saved tensors;
+            ``replay_steps``, let steps that repeat the learnt ones replay them (``step_script.py``).
     """
 
     def __init__(self, ledger: Ledger, recorder: StepRecorder, on_error: Callable[[BaseException], None],
-                 sample: Callable[[], None] | None = None, activations: bool = True) -> None:
+                 sample: Callable[[], None] | None = None, config: Any = None) -> None:
         self.ledger = ledger
         self.recorder = recorder
         self.report_error = on_error
         self._sample = sample
-        self._activations_on = activations
+        self._activations_on = getattr(config, "activations", True)
         #: events are accounted only while active (the tracker attached)
         self.active = False
         #: a deep step's dispatch mode runs: it accounts every op, saved tensors included
@@ -82,6 +89,10 @@ class Sink:
         self.modules: list[str] = []
         self.activations = SavedTensorAccounting(ledger, on_error, self.modules)
         self._recompute_activations = SavedTensorAccounting(ledger, on_error, self.modules)
+        #: ``tracker.saved_activations()``'s (seen on every step); whether this step learns or replays
+        self.scoped_activations = SavedTensorAccounting(ledger, on_error, self.modules, scripted=False)
+        self.script = ledger.script = StepScript(ledger, getattr(config, "replay_steps", True))
+        self._deciding = False  # the outermost forward began: its inputs decide (after_pre_forward)
         self._forward_depth = 0  # nesting of FSDP forwards now running (outside backward)
         self._forward_pushed = False  # the outermost forward pushed the saved-tensor hooks
         self._recompute_depth = 0  # nesting of FSDP forwards recomputed in backward
@@ -98,10 +109,11 @@ class Sink:
             self.ledger.flush()
         except Exception as exc:  # noqa: BLE001
             self.report_error(exc)
+        self.script.end_step()
         self.activations.pop()
         self._recompute_activations.pop()
         self._forward_depth = self._recompute_depth = 0
-        self._forward_pushed = False
+        self._forward_pushed = self._deciding = False
         self._outputs = None
         self.modules.clear()
         self._on_state_seconds = self.ledger.replay_seconds = 0.0
@@ -126,7 +138,9 @@ class Sink:
                 self._forward_begins()
                 self.modules.append(key)
             elif tensors is not None:
-                if not self.deep and self._activations_on:
+                if self._deciding:  # the outermost module's after_pre_forward
+                    self._decide(tensors)
+                if not self.deep and self._activations_on and (self._forward_depth == 1 or not self.script.replaying):
                     self._track_io(key, state, tensors)
             elif state in _POST_FORWARD:
                 self._note_raising_forward()
@@ -155,14 +169,32 @@ class Sink:
         # walked comes back to after_post_forward as itself unless FSDP's post-forward replaced it
         # (a cast to the output dtype): walked once. (Containers are walked again: a hook may have
         # refilled one.) Known by a weak reference: a replaced output dies when FSDP drops it.
+        # The outermost module's are plain activations (the training loop keeps them across
+        # steps: never scripted); an inner module's are scripted, and not walked while replaying.
         seen, self._outputs = self._outputs, None
         if state == AFTER_POST_FORWARD and seen is not None and seen[0] == key and seen[1]() is tensors:
             return
-        track_new = self.ledger.track_new
-        for t in tensors_in(tensors):
-            track_new(t, ACTIVATION, key)
+        if self._forward_depth == 1:
+            take_over = self.ledger.take_over
+            for t in tensors_in(tensors):
+                take_over(t, _ACTIVATION, key)
+        else:
+            track_new = self.ledger.track_new_at
+            for t in tensors_in(tensors):
+                track_new(t, SCRIPTED, key)
         if state == BEFORE_POST_FORWARD and type(tensors) is torch.Tensor:
             self._outputs = (key, weakref.ref(tensors))  # walked: a failing walk is retried
+
+    def _decide(self, inputs: object) -> None:
+        # the outermost forward's inputs are here: does the step learn, or replay (step_script.py)
+        self._deciding = False
+        try:
+            signature: object = _signature(inputs)
+        except Exception as exc:  # noqa: BLE001 - then it is seen: equal to no other
+            self.report_error(exc)
+            signature = object()
+        if self.script.forward_begins(signature, self.ledger.scripted_entries) and self._activations_on:
+            self._forward_pushed = self.activations.push()
 
     @property
     def overhead(self) -> float:
@@ -210,7 +242,7 @@ class Sink:
         # An FSDP module recomputed inside a checkpointed region: checkpointing's own saved-tensor
         # hooks keep what it recomputes; ours chain to them to account it (light mode), and the
         # module's recomputed outputs count as they do in forward.
-        if self.deep or not self._activations_on:
+        if self.deep or not self._activations_on or self.script.replaying:
             return
         if state == BEFORE_PRE_FORWARD:
             self.modules.append(key)
@@ -223,7 +255,7 @@ class Sink:
                 self.modules.pop()
             if tensors is not None:
                 for t in tensors_in(tensors):
-                    self.ledger.track_new(t, ACTIVATION, key)
+                    self.ledger.track_new_at(t, SCRIPTED, key)
             if self._recompute_depth == 0:
                 self._recompute_activations.pop()
 
@@ -233,9 +265,8 @@ class Sink:
             if self.forward_pending:
                 self.forward_pending = False
                 self.on_forward()
-            if not self.deep and self._activations_on:
-                # not when ``tracker.saved_activations()`` pushed them already: that scope pops them
-                self._forward_pushed = self.activations.push()
+            # the outermost module's after_pre_forward decides, with its inputs (``_decide``)
+            self._deciding = not self.deep
 
     def _forward_ends(self) -> None:
         if self._forward_depth > 0:
@@ -251,7 +282,8 @@ class Sink:
         if self.active and delta:
             pending = self.ledger.pending
             if pending is not None:  # ``Counters._add``, written out: ~170 calls a step
-                pending.extend((device, cat, delta))
+                # scripted once a step is decided: a replayed step takes these from its script
+                pending.extend((device, cat - _N if self.script.scripting else cat, delta))
                 return
             try:
                 self.ledger._add(device, cat, delta)
@@ -318,3 +350,18 @@ class Sink:
             self.ledger.refresh_storages(storages)
         except Exception as exc:  # noqa: BLE001
             self.report_error(exc)
+
+
+def _signature(inputs: object) -> tuple[Any, ...]:
+    """What decides the saved activations' shapes, as far as the outermost forward's inputs tell:
+    grad and autocast modes, each argument's tensors' shapes, dtypes and devices, its scalars."""
+    out: list[Any] = [_grad_on(), _autocast_on()]
+    args, kwargs = inputs if type(inputs) is tuple and len(inputs) == 2 and type(inputs[1]) is dict else ((inputs,), {})
+    for value in (*args, *kwargs, *kwargs.values()):
+        if isinstance(value, _SCALARS):
+            out.append(value)
+            continue
+        for t in tensors_in(value):
+            out.append((t.shape, t.dtype, t.device, t.requires_grad))
+        out.append(None)
+    return tuple(out)

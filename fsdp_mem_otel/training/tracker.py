@@ -100,7 +100,7 @@ class FSDPMemoryTracker:
         self._optimizers = OptimizerWatch(optimizers, self.ledger, self.context, self.report_error)
         self._probe = AllocatorProbe(reset_peaks=config.reset_peaks)
         self.ledger.watch_windows(allocator_temps(self._probe, config.reset_peaks))  # defers unless watched
-        self._sink = Sink(self.ledger, self.recorder, self.report_error, self._probe.sampler, config.activations)
+        self._sink = Sink(self.ledger, self.recorder, self.report_error, self._probe.sampler, config)
         self._aborts = StepAborts(self.recorder, self.ledger, self._probe, self.report_error)
         self._leaks = LeakWatch(config.leak_window)
         self._sink.on_raising_forward = self._aborts.record
@@ -220,7 +220,7 @@ class FSDPMemoryTracker:
             self._optimizers.step_end()
             report.warnings = self.warnings
             self._adapter.reconcile()
-            report.fallback_groups = self._adapter.fallback_groups
+            report.fallback_groups, report.replay_misses = self._adapter.fallback_groups, self._sink.script.misses
             self.recorder.close_open_windows()
             now, later["peak"] = self.ledger.step_end_later()
             later["current"] = functools.partial(breakdown_of, now)
@@ -262,7 +262,7 @@ class FSDPMemoryTracker:
         """Light mode: account what autograd saves inside the block as activations, for work
         outside any FSDP module's forward, such as a loss computed after the model
         (``with tracker.saved_activations(): loss = loss_fn(pred, labels)``)."""
-        acts = self._sink.activations
+        acts = self._sink.scoped_activations
         pushed = self.attached and not self._deep.active and self.config.activations and acts.push()
         try:
             yield

@@ -65,6 +65,7 @@ def test_a_deep_step_that_fails_half_way_in_goes_back_to_light_entirely() -> Non
     assert _get_current_dispatch_mode() is None and not deep.active and deep.step_mode == LIGHT
     assert sink.ledger.offer_on_add and not sink.deep and sink.ledger.pending is not None
     assert adapter.calls == [True, False]  # what it switched before failing is switched back
+    sink.on_state("<root>", "after_pre_forward", ((torch.ones(2),), {}))  # its inputs decide: it learns
     assert sink.activations.active  # the forward goes on as a light one: saved tensors counted
     deep.end()  # the step's end: nothing left to undo
     sink.end_step()

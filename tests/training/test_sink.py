@@ -201,8 +201,9 @@ def test_an_output_is_walked_once_unless_post_forward_replaces_it() -> None:
 
     sink, ledger, errors = _sink()
     walked: list[int] = []  # ids: the spy must hold no tensor
-    track_new = ledger.track_new
-    ledger.track_new = lambda t, *a: (walked.append(id(t)), track_new(t, *a))  # type: ignore[method-assign]
+    for name in ("take_over", "track_new_at"):  # the outermost module's, an inner one's
+        walk = getattr(ledger, name)
+        setattr(ledger, name, lambda t, *a, walk=walk: (walked.append(id(t)), walk(t, *a)))
     x = torch.randn(4, 8)
     out = torch.randn(4, 8)
     sink.on_state("<root>", BEFORE_PRE_FORWARD)
@@ -229,15 +230,15 @@ def test_an_output_is_walked_once_unless_post_forward_replaces_it() -> None:
 
 def test_an_output_whose_first_walk_failed_is_walked_again() -> None:
     sink, ledger, errors = _sink()
-    track_new = ledger.track_new
+    take_over = ledger.take_over  # how the outermost module's outputs are walked
     fail = [True]
 
     def flaky(t: torch.Tensor, *a: object) -> None:
         if fail.pop() if fail else False:
             raise RuntimeError("broken once")
-        track_new(t, *a)  # type: ignore[arg-type]
+        take_over(t, *a)  # type: ignore[arg-type]
 
-    ledger.track_new = flaky  # type: ignore[method-assign]
+    ledger.take_over = flaky  # type: ignore[method-assign]
     out = torch.randn(4, 8)
     sink.on_state("<root>", BEFORE_PRE_FORWARD)
     sink.on_state("<root>", BEFORE_POST_FORWARD, out)

@@ -193,6 +193,19 @@ class CommMirror:
             self._sink.add(dev, category, n)
         return n
 
+    def state(self) -> tuple[Any, ...] | None:
+        """What is held and counted now, comparable (``restore`` puts it back); None while it
+        holds a buffer accounted per tensor."""
+        held = [self.deferred, *self.rs]
+        if any(h is not None and h.ref is not None for h in held):
+            return None
+        return tuple(None if h is None else (h.dev, h.cat, h.nbytes) for h in held)
+
+    def restore(self, state: tuple[Any, ...]) -> None:
+        deferred, *rs = state
+        self.deferred = None if deferred is None else _Held(deferred[0], deferred[1], deferred[2], None)
+        self.rs = [_Held(h[0], h[1], h[2], None) for h in rs]
+
     def drop_counts(self) -> None:
         """Subtract what is counted (per-tensor accounting takes over): the buffers stay held."""
         for held in ([self.deferred] if self.deferred is not None else []) + self.rs:
@@ -430,6 +443,15 @@ class LightGroup:
                 self._grads = self._accumulated = 0
 
     # -- hand-over --------------------------------------------------------------------------------
+    def state(self) -> tuple[Any, ...]:
+        """What is counted now, comparable (``restore`` puts it back: a replayed step's end)."""
+        return (self._unsharded, self._post_forward, self._pending_ag, self._grads, self._accumulated,
+                self._sharded_grads, self._sg_dev, self.all_gather_seen)
+
+    def restore(self, state: tuple[Any, ...]) -> None:
+        (self._unsharded, self._post_forward, self._pending_ag, self._grads, self._accumulated,
+         self._sharded_grads, self._sg_dev, self.all_gather_seen) = state
+
     def sync(self) -> None:
         """Count what the group holds now (at attach, and when per-tensor accounting hands back)."""
         group = self.group
