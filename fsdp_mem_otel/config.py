@@ -83,11 +83,11 @@ class TrackerConfig:
         activations: light mode accounts the tensors autograd saves for backward during FSDP
             forwards as ``activation`` (saved-tensor hooks; see activations.py). Turn off for
             models that call ``torch.func`` transforms inside an FSDP module's forward.
-        replay_steps: light mode sees saved activations on the steps that learn them and
-            replays them, without hooks, on the steps that repeat those (the same inputs' shapes,
-            the same FSDP events; checked every 16th step; step_script.py): what autograd
-            saves costs nothing there. False: every step runs the hooks. A step the script did
-            not fit is counted (``StepReport.replay_misses``).
+        replay_steps: light mode runs its saved-tensor hooks and FSDP2's group accounts on the
+            steps that learn them and replays what they logged on the steps that repeat those
+            (the same inputs' shapes, the same module states and tracked storages; checked every
+            16th step; step_script.py): that work costs nothing there. False: every step learns.
+            A step that did not fit what it replayed is counted (``StepReport.replay_misses``).
         deep_when_compiled: a deep step on a model with ``torch.compile``'d regions: "skip"
             (default: the step stays light, compiled code keeps running compiled, and the report
             says why) or "eager" (the step runs with compilation switched off, so deep mode sees

@@ -241,6 +241,8 @@ class StepScript:
             self._end_step()
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
+        if self.off:
+            self._script = None
         self._mode = _NONE  # flushes until the next step neither learn nor replay
         self.skipping = self.replaying = self.scripting = False
 
@@ -348,9 +350,8 @@ class StepScript:
         self.spliced = cut if len(pending) == len(full) else None  # the log is this cut, whole
 
     def _fail(self, exc: Exception) -> None:
-        self.off = True
+        self.off = True  # the script stays until this step's end: a replaying step's undoing needs it
         self._confirmed = False
-        self._script = None
         if self._mode == _REPLAY:  # what it put in this step is taken out at its end
             self._miss()
         report = self._counters.on_replay_error

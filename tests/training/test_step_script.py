@@ -219,3 +219,24 @@ def test_changes_after_the_script_ends_are_the_steps_own() -> None:
     script.end_step()
     assert not hooked and script.misses == 0 and script.replayed == 2
     assert c._cur["cpu"][OPT] == before[OPT] + 16
+
+
+def test_a_failure_half_way_through_a_replay_takes_out_what_it_put_in() -> None:
+    c, script, ev = _counters()
+    errors: list[BaseException] = []
+    c.on_replay_error = errors.append
+    for i in range(2):
+        _step(c, script, ev, 10 * i)
+    assert not script.forward_begins(("x", 8), 0)
+    c.queue(ev.state, "fwd", 20)
+    c.queue(ev.state, "bwd", 21)
+    c.flush()  # replayed: the forward's activations came in
+    assert c._cur["cpu"][ACT] == 200
+    script._script.cuts = None  # type: ignore[union-attr,assignment]  # the next cut fails
+    c.queue(ev.state, "end", 22)
+    c.flush()
+    script.end_step()
+    c.flush()
+    assert script.off and len(errors) == 1 and script.misses == 1
+    assert c._cur["cpu"][ACT] == 0  # taken out again: nothing stays counted
+    assert script._script is None and script.restore.__self__.resynced == 1  # type: ignore[attr-defined]
