@@ -261,3 +261,49 @@ def test_replayed_steps_equal_learnt_ones_over_the_light_group_configurations() 
             assert n_replayed == 0 if name == "sometimes_unused" else n_replayed >= 15, (name, n_replayed)
             for step, (ours, theirs) in enumerate(zip(replayed, learnt, strict=True), 1):
                 assert ours == theirs, (name, step)
+
+
+def what_steps_keep(tracked: bool) -> tuple[int, list[int]]:
+    """Rank body: weak references to the storage of every block's output and every saved tensor
+    of each step (saved-tensor hooks of the test's own, below the tracker's); how many outlive
+    the step after theirs; steps replayed."""
+    import gc
+    import weakref
+
+    rank = torch.distributed.get_rank()
+    model, opt = build(3, 32, WrapOptions(fsdp=2))
+    seen: list[weakref.ref[torch.UntypedStorage]] = []
+    for name, mod in model.named_modules():
+        if name.startswith("layers.") and name.count(".") == 1:
+            mod.register_forward_hook(lambda _m, _a, out: seen.append(weakref.ref(out.untyped_storage())))
+    tracker = FSDPMemoryTracker(model, opt).attach() if tracked else None
+    per_step: list[list[weakref.ref[torch.UntypedStorage]]] = []
+    alive_after = []
+
+    def spy(t: torch.Tensor) -> torch.Tensor:
+        seen.append(weakref.ref(t.untyped_storage()))
+        return t
+
+    for step in range(12):
+        seen = []
+        with torch.autograd.graph.saved_tensors_hooks(spy, lambda t: t):
+            train_step(model, opt, make_batch(step, 8, 32, rank))
+        if tracker is not None:
+            tracker.step()
+        per_step.append(seen)
+        if step >= 1:
+            gc.collect()
+            alive_after.append(sum(ref() is not None for ref in per_step[step - 1]))
+    if tracker is None:
+        return 0, alive_after
+    tracker.detach()
+    return tracker._sink.script.replayed, alive_after
+
+
+def test_replayed_steps_keep_nothing_the_training_made() -> None:
+    # oracle: the same training untracked (FSDP keeps its unsharded parameters' storages itself)
+    untracked = run_ranks(what_steps_keep, False)
+    for (replayed, alive_after), (_, alone) in zip(run_ranks(what_steps_keep, True), untracked, strict=True):
+        assert replayed >= 8
+        assert alive_after == alone  # a step's outputs and saved tensors: as untracked, a step later
+        assert all(n < 20 for n in alone)  # (those FSDP keeps, not everything)

@@ -53,6 +53,16 @@ def _counters() -> tuple[Ledger, StepScript, Events]:
     return c, script, Events()
 
 
+def _learnt(errors: list[BaseException] | None = None) -> tuple[Ledger, StepScript, Events]:
+    """A ledger whose script two alike learn steps confirmed (failures to ``errors``)."""
+    c, script, ev = _counters()
+    if errors is not None:
+        c.on_replay_error = errors.append
+    for i in range(2):
+        _step(c, script, ev, 10 * i)
+    return c, script, ev
+
+
 def _step(c: Ledger, script: StepScript, ev: Events, t0: int, signature: Any = ("x", 8),
           saved: int = 100, extra: bool = False) -> bool:
     """One step: a forward that saves ``saved`` bytes twice, a grad, a backward that frees them;
@@ -116,9 +126,7 @@ def test_the_replayed_peak_is_the_learnt_one() -> None:
 
 
 def test_other_inputs_learn_and_a_step_that_does_not_fit_is_counted_and_undone() -> None:
-    c, script, ev = _counters()
-    for i in range(2):
-        _step(c, script, ev, 10 * i)
+    c, script, ev = _learnt()
     assert _step(c, script, ev, 20, signature=("x", 12))  # other shapes: learn
     assert _step(c, script, ev, 30, signature=("x", 12))  # learn again: two alike now
     assert not _step(c, script, ev, 40, signature=("x", 12))
@@ -144,11 +152,8 @@ def test_a_check_every_so_many_replayed_steps_finds_changed_activations() -> Non
 
 
 def test_a_failure_turns_it_off_and_every_step_learns() -> None:
-    c, script, ev = _counters()
     errors: list[BaseException] = []
-    c.on_replay_error = errors.append
-    for i in range(2):
-        _step(c, script, ev, 10 * i)
+    c, script, ev = _learnt(errors)
     script._script.skel = None  # type: ignore[union-attr,assignment]
     assert not _step(c, script, ev, 20)  # decided before the failure
     assert script.off and len(errors) == 1 and script.misses == 1
@@ -163,9 +168,7 @@ def test_groups_that_cannot_skip_a_step_keep_every_step_learning() -> None:
 
 
 def test_a_log_cut_elsewhere_replays_all_the_same() -> None:
-    c, script, ev = _counters()
-    for i in range(2):
-        _step(c, script, ev, 10 * i)
+    c, script, ev = _learnt()
     peaks = []
     hooked = script.forward_begins(("x", 8), 0)
     assert not hooked
@@ -186,9 +189,7 @@ def test_a_log_cut_elsewhere_replays_all_the_same() -> None:
 
 
 def test_a_step_that_parts_from_its_script_is_exact_up_to_there() -> None:
-    c, script, ev = _counters()
-    for i in range(2):
-        _step(c, script, ev, 10 * i)
+    c, script, ev = _learnt()
     assert not script.forward_begins(("x", 8), 0)
     c.queue(ev.state, "fwd", 20)
     c.queue(ev.state, "bwd", 21)
@@ -202,9 +203,7 @@ def test_a_step_that_parts_from_its_script_is_exact_up_to_there() -> None:
 
 
 def test_changes_after_the_script_ends_are_the_steps_own() -> None:
-    c, script, ev = _counters()
-    for i in range(2):
-        _step(c, script, ev, 10 * i)
+    c, script, ev = _learnt()
     assert not _step(c, script, ev, 20)
     before = list(c._cur["cpu"])
     hooked = script.forward_begins(("x", 8), 0)
@@ -222,11 +221,8 @@ def test_changes_after_the_script_ends_are_the_steps_own() -> None:
 
 
 def test_a_failure_half_way_through_a_replay_takes_out_what_it_put_in() -> None:
-    c, script, ev = _counters()
     errors: list[BaseException] = []
-    c.on_replay_error = errors.append
-    for i in range(2):
-        _step(c, script, ev, 10 * i)
+    c, script, ev = _learnt(errors)
     assert not script.forward_begins(("x", 8), 0)
     c.queue(ev.state, "fwd", 20)
     c.queue(ev.state, "bwd", 21)
