@@ -77,8 +77,9 @@ fsdp.peak.<category>.bytes     step      step peak per category on ``fsdp.device
                                          call (max over devices)
 fsdp.errors_total              step      tracker-internal errors so far
 fsdp.exporter.errors_total     step      this exporter's failures so far
-fsdp.tracker_overhead_seconds  step      time in the tracker's module-state hooks and deferred accounting: a
-                                         lower bound (group and saved-tensor hooks untimed)
+fsdp.tracker_overhead_seconds  step      time in the tracker's module-state hooks (one call in 13 timed,
+                                         counted for each) and deferred accounting: a lower bound (group
+                                         and saved-tensor hooks untimed)
 fsdp.module_spans              step      whether this step's module spans were exported
 fsdp.warnings                  step      StepReport.warnings, when there are any (string array)
 fsdp.leak.growing              step      categories growing step after step (StepReport.leak)

@@ -27,9 +27,9 @@ from fsdp_mem_otel.schema import (
     ACTIVATION,
     AFTER_POST_BACKWARD,
     AFTER_POST_FORWARD,
+    BACKWARD_STATES,
     BEFORE_POST_FORWARD,
     BEFORE_PRE_FORWARD,
-    FORWARD_STATES,
 )
 from fsdp_mem_otel.training.activations import SavedTensorAccounting
 from fsdp_mem_otel.training.adapters.base import tensors_in
@@ -43,10 +43,12 @@ _in_backward = torch._C._current_graph_task_id
 _grad_on, _autocast_on = torch.is_grad_enabled, torch._C._is_any_autocast_enabled
 _ACTIVATION = INDEX[ACTIVATION]
 _SCALARS = (int, float, bool, str, type(None))
-_clock, _time_ns = time.perf_counter, time.time_ns  # bound once: ~140 calls a step
+_time_ns = time.time_ns  # bound once: ~140 calls a step
+#: the state events time one call in this many and count it for each (a prime: a step's calls
+#: come in fours and eights per module, so the timed ones are of every kind and move from step to
+#: step); a counter, not a random draw, so that the same run makes the same calls
+_TIMED_EVERY = 13
 _POST_FORWARD = frozenset({BEFORE_POST_FORWARD, AFTER_POST_FORWARD})
-#: states after which the allocator is sampled (window ends): its peaks are sampled maxima
-_SAMPLED = frozenset({AFTER_POST_FORWARD, AFTER_POST_BACKWARD})
 #: a deferring ledger replays once this many changes and events wait (a loop without step())
 _FLUSH_AT = 1 << 16
 
@@ -96,7 +98,8 @@ class Sink:
         self._forward_depth = 0  # nesting of FSDP forwards now running (outside backward)
         self._forward_pushed = False  # the outermost forward pushed the saved-tensor hooks
         self._recompute_depth = 0  # nesting of FSDP forwards recomputed in backward
-        self._on_state_seconds = 0.0
+        self._on_state_ns = 0  # the state events' time this step, as sampled (``_TIMED_EVERY``)
+        self._untimed = 0  # state events until the next one timed
         self._record_state = recorder.on_state
         #: (module key, output tensor) walked at before_post_forward, until its after_post_forward
         self._outputs: tuple[str, weakref.ref[torch.Tensor]] | None = None
@@ -116,7 +119,8 @@ class Sink:
         self._forward_pushed = self._deciding = False
         self._outputs = None
         self.modules.clear()
-        self._on_state_seconds = self.ledger.replay_seconds = 0.0
+        self._on_state_ns = 0
+        self.ledger.replay_seconds = 0.0
 
     # -- states and windows ---------------------------------------------------------------------
     def on_state(self, key: str, state: str, tensors: object = None, windowed: bool = True) -> None:
@@ -126,43 +130,80 @@ class Sink:
         are accounted as activations first, in light mode: autograd does not save a module's
         outputs, yet they are alive (the next module's input, the logits, the loss).
         """
+        if state in BACKWARD_STATES:
+            self.backward_state(key, state, windowed)
+            return
         if not self.active:
             return
-        t0 = _clock()
+        # One clock read, the event's time: in place, each clock read or call into torch costs
+        # several times what it does in a loop (benchmarks/README.md), so the time this call took
+        # is read on a sample of the calls (``_TIMED_EVERY``)
+        t = _time_ns()
         try:
             in_backward = _in_backward() != -1
-            if in_backward:
-                if state in FORWARD_STATES:  # an activation-checkpoint recompute
-                    self._recompute_state(key, state, tensors)
+            if in_backward:  # a forward state in backward: an activation-checkpoint recompute
+                self._recompute_state(key, state, tensors)
             elif state == BEFORE_PRE_FORWARD:
                 self._forward_begins()
                 self.modules.append(key)
             elif tensors is not None:
                 if self._deciding:  # the outermost module's after_pre_forward
                     self._decide(tensors)
-                if not self.deep and self._activations_on and (self._forward_depth == 1 or not self.script.replaying):
+                if (self._forward_depth == 1 or not self.script.replaying) and not self.deep and self._activations_on:
                     self._track_io(key, state, tensors)
             elif state in _POST_FORWARD:
                 self._note_raising_forward()
-            if self.deep and state == AFTER_POST_BACKWARD:
+            pending = self.ledger.pending
+            if pending is None:
+                self.recorder.on_state(key, state, in_backward, windowed, t)
+            else:  # ``Counters.queue`` written out (the hot path): replayed when read, with this time
+                pending.extend((self._record_state, 5, key, state, in_backward, windowed, t))
+            if state == AFTER_POST_FORWARD:  # a module's forward ends (or its recompute)
+                if self._sample is not None:
+                    self._sample()
+                if not in_backward:
+                    self._outputs = None  # also after a forward that raised (no outputs to walk)
+                    if self.modules and self.modules[-1] == key:
+                        self.modules.pop()
+                    self._forward_ends()
+                if pending is not None and len(pending) > _FLUSH_AT:
+                    self.ledger.flush()
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+        untimed = self._untimed
+        if untimed:
+            self._untimed = untimed - 1
+        else:
+            self._untimed = _TIMED_EVERY - 1
+            self._on_state_ns += (_time_ns() - t) * _TIMED_EVERY
+
+    def backward_state(self, key: str, state: str, windowed: bool = True) -> None:
+        """``on_state`` for a state of FSDP's backward hooks (``BACKWARD_STATES``), with less to
+        decide: ~70 calls a step."""
+        if not self.active:
+            return
+        t = _time_ns()
+        try:
+            if self.deep and state == AFTER_POST_BACKWARD:  # before the window closes
                 release_backend_buffers(self.ledger, self.recorder.context)
             pending = self.ledger.pending
             if pending is None:
-                self.recorder.on_state(key, state, in_backward, windowed)
-            else:  # ``Counters.queue`` written out (the hot path): replayed when read, with this time
-                pending.extend((self._record_state, 5, key, state, in_backward, windowed, _time_ns()))
-                if len(pending) > _FLUSH_AT:
+                self.recorder.on_state(key, state, True, windowed, t)
+            else:  # as in ``on_state``
+                pending.extend((self._record_state, 5, key, state, True, windowed, t))
+            if state == AFTER_POST_BACKWARD:  # a module's backward ends
+                if self._sample is not None:
+                    self._sample()
+                if pending is not None and len(pending) > _FLUSH_AT:
                     self.ledger.flush()
-            if self._sample is not None and state in _SAMPLED:
-                self._sample()
-            if state == AFTER_POST_FORWARD and not in_backward:
-                self._outputs = None  # also after a forward that raised (no outputs to walk)
-                if self.modules and self.modules[-1] == key:
-                    self.modules.pop()
-                self._forward_ends()
         except Exception as exc:  # noqa: BLE001
             self.report_error(exc)
-        self._on_state_seconds += _clock() - t0
+        untimed = self._untimed
+        if untimed:
+            self._untimed = untimed - 1
+        else:
+            self._untimed = _TIMED_EVERY - 1
+            self._on_state_ns += (_time_ns() - t) * _TIMED_EVERY
 
     def _track_io(self, key: str, state: str, tensors: object) -> None:
         # A module's inputs or outputs, as activations. An output tensor that before_post_forward
@@ -198,10 +239,11 @@ class Sink:
 
     @property
     def overhead(self) -> float:
-        """Seconds this step in ``on_state`` and in replaying the ledger's queued work (light
-        mode: what on_state did in place before); the other hooks are not timed (a timer at
-        each of ~600 calls a step would cost more than it tells)."""
-        return self._on_state_seconds + self.ledger.replay_seconds
+        """Seconds this step in ``on_state`` (timed on one call in ``_TIMED_EVERY``, counted for
+        each) and in replaying the ledger's queued work (light mode: what on_state did in place
+        before); the other hooks are not timed (a timer at each of ~600 calls a step would cost
+        more than it tells)."""
+        return self._on_state_ns / 1e9 + self.ledger.replay_seconds
 
     def open_window(self, key: str, peak_state: str) -> None:
         """Start module ``key``'s peak window (for states reported ``windowed=False``)."""

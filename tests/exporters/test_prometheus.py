@@ -165,10 +165,10 @@ fsdp_mem_steps_total{job_name="train",local_rank="1",namespace="ml",pod="train-1
 # TYPE fsdp_mem_errors_total counter
 fsdp_mem_errors_total{component="tracker",job_name="train",local_rank="1",namespace="ml",pod="train-1",rank="1",world_size="2"} 1.0
 fsdp_mem_errors_total{component="exporter",job_name="train",local_rank="1",namespace="ml",pod="train-1",rank="1",world_size="2"} 0.0
-# HELP fsdp_mem_step_overhead_seconds Time in the tracker's module-state hooks and its deferred accounting during the last step: a lower bound (FSDP group and saved-tensor hooks are not timed).
+# HELP fsdp_mem_step_overhead_seconds Time in the tracker's module-state hooks (one call in 13 timed, counted for each) and its deferred accounting during the last step: a lower bound (FSDP group and saved-tensor hooks are not timed).
 # TYPE fsdp_mem_step_overhead_seconds gauge
 fsdp_mem_step_overhead_seconds{job_name="train",local_rank="1",namespace="ml",pod="train-1",rank="1",world_size="2"} 0.125
-# HELP fsdp_mem_tracker_overhead_seconds_total Time in the tracker's module-state hooks and its deferred accounting over all exported steps: a lower bound (FSDP group and saved-tensor hooks are not timed).
+# HELP fsdp_mem_tracker_overhead_seconds_total Time in the tracker's module-state hooks (one call in 13 timed, counted for each) and its deferred accounting over all exported steps: a lower bound (FSDP group and saved-tensor hooks are not timed).
 # TYPE fsdp_mem_tracker_overhead_seconds_total counter
 fsdp_mem_tracker_overhead_seconds_total{job_name="train",local_rank="1",namespace="ml",pod="train-1",rank="1",world_size="2"} 0.125
 # HELP fsdp_mem_last_step_timestamp_seconds Unix time at which the last step closed.

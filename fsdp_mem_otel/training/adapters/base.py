@@ -63,6 +63,9 @@ class EventSink(Protocol):
         ``tensors``: the module's inputs (pre-forward) or outputs (post-forward) at that state;
         ``windowed=False``: the state opens or closes no peak window (see ``open_window``)."""
 
+    def backward_state(self, key: str, state: str, windowed: bool = True) -> None:
+        """``on_state`` for a state of ``BACKWARD_STATES`` reported from FSDP's backward hooks."""
+
     def open_window(self, key: str, peak_state: str) -> None:
         """Start module ``key``'s ``peak_state`` window where FSDP's states cannot mark it."""
 

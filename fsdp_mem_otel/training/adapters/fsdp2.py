@@ -96,6 +96,7 @@ from fsdp_mem_otel.training.ledger import INDEX
 
 _T = TypeVar("_T")
 _FORWARD = TrainingState.FORWARD
+_PRE_BACKWARD = TrainingState.PRE_BACKWARD
 _AFTER_UNSHARD, _AFTER_RESHARD = methodcaller("after_unshard"), methodcaller("after_reshard")
 
 
@@ -294,17 +295,17 @@ class FSDP2Adapter:
         # state events are written out (a helper frame per call cost ~0.3 us in place, at ~150
         # calls a step).
         def pre_backward(*args: Any, **kwargs: Any) -> Any:
-            if group._training_state == TrainingState.PRE_BACKWARD:
+            if group._training_state is _PRE_BACKWARD:
                 return orig_pre_backward(*args, **kwargs)  # once per backward: FSDP's own guard
             try:
                 for key in keys:
-                    sink.on_state(key, BEFORE_PRE_BACKWARD, None, windowed)
+                    sink.backward_state(key, BEFORE_PRE_BACKWARD, windowed)
             except Exception as exc:  # noqa: BLE001 - the tracker must never break training
                 sink.report_error(exc)
             out = orig_pre_backward(*args, **kwargs)
             try:
                 for key in keys:
-                    sink.on_state(key, AFTER_PRE_BACKWARD, None, windowed)
+                    sink.backward_state(key, AFTER_PRE_BACKWARD, windowed)
             except Exception as exc:  # noqa: BLE001
                 sink.report_error(exc)
             return out
@@ -319,7 +320,7 @@ class FSDP2Adapter:
                 sink.report_error(exc)
             try:
                 for key in keys:
-                    sink.on_state(key, BEFORE_POST_BACKWARD, None, windowed)
+                    sink.backward_state(key, BEFORE_POST_BACKWARD, windowed)
             except Exception as exc:  # noqa: BLE001
                 sink.report_error(exc)
             out = orig_post_backward(*args, **kwargs)
@@ -331,10 +332,10 @@ class FSDP2Adapter:
             try:
                 if windowed:  # the window may end later (deep steps: calls are known then)
                     for key in keys:
-                        sink.on_state(key, AFTER_POST_BACKWARD, None, not (ends.calls and ends.defer(key)))
+                        sink.backward_state(key, AFTER_POST_BACKWARD, not (ends.calls and ends.defer(key)))
                 else:
                     for key in keys:
-                        sink.on_state(key, AFTER_POST_BACKWARD, None, False)
+                        sink.backward_state(key, AFTER_POST_BACKWARD, False)
                     shared.backward_ends()  # type: ignore[union-attr]
             except Exception as exc:  # noqa: BLE001
                 sink.report_error(exc)
