@@ -103,10 +103,17 @@ class Ledger(Counters):
         self._devices.clear()  # meta storages count on ``device`` from now on
 
     def flush(self) -> None:
-        """``Counters.flush``, the step script seeing each part of the log first."""
+        """``Counters.flush``, the step script seeing each part of the log first: where it finds
+        a cut of its script there, the replay memo puts back what that leaves, or the script's
+        entries go into the log (``StepScript.splice``) and are replayed."""
         script, pending = self.script, self.pending
         if script is not None and pending and not self._replaying:
             script.before_flush(pending)
+            if script.unspliced is not None:
+                memo = self.memo
+                if memo is None or not memo.reuse_cut(pending, *script.unspliced):
+                    script.splice(pending)
+                script.unspliced = None
         super().flush()
 
     def reset_step(self) -> None:

@@ -130,12 +130,13 @@ class StepReplay:
     def __init__(self, start: RawBreakdown) -> None:
         self._start = start  # the counters when the step began; its recorder is made at the first read
         self._recorder: StepRecorder | None = None
-        self._parts: list[list[Any]] = []
+        self._parts: list[Any] = []  # lists, or callables that build one (``keep``)
         self._waiting = 0
         self._lock = threading.Lock()
 
-    def keep(self, part: list[Any]) -> None:
-        """A replayed part of the step's log, in order."""
+    def keep(self, part: Any) -> None:
+        """A replayed part of the step's log, in order: a list, or a sized callable that builds
+        it (``step_script.SplicedLog``)."""
         with self._lock:
             self._parts.append(part)
             self._waiting += len(part)
@@ -155,6 +156,8 @@ class StepReplay:
                 recorder = self._recorder = StepRecorder(counters, StepContext())
             apply = recorder.ledger._apply
             for part in parts:
+                if part.__class__ is not list:
+                    part = part()
                 i, n = 0, len(part)
                 while i < n:
                     head = part[i]

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import logging
 import time
-from operator import add, itemgetter
+from operator import add
 from typing import Any
 
 from fsdp_mem_otel.training.counters import _T, _Window
+from fsdp_mem_otel.training.step_script import SplicedLog
+from fsdp_mem_otel.training.step_script import entries_getter as _getter
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +46,14 @@ class _Part:
     """One replayed part of a step: its log with the times zeroed, where they were, and the state
     the replay left (the counters' and the step recorder's entries of that part)."""
 
-    __slots__ = ("ac_key", "cur", "expected", "fixed", "in_ac", "keys", "masked", "phase", "rec_windows", "snaps",
-                 "spliced", "states", "step", "time_src", "times_at", "windows")
+    __slots__ = ("ac_key", "cur", "cut_times", "expected", "fixed", "in_ac", "keys", "masked", "phase", "rec_windows",
+                 "snaps", "spliced", "states", "step", "time_src", "times_at", "times_of", "totals_at", "windows")
     masked: list[Any]  # the log, each event's time 0
     times_at: list[int]  # where the times are
     fixed: Any  # a C-level getter of everything else (``operator.itemgetter``)
     expected: tuple[Any, ...]  # and what it must read
     spliced: Any  # the step script's cut of a replayed step's log found equal to it, or None
+    cut_times: Any  # then: a C-level getter of its entries' times from the cut's times, or None
     cur: dict[str, tuple[int, ...]]  # the counters after the part
     step: _State  # the step's window then
     windows: list[_State]  # the open windows then, outermost first
@@ -58,10 +61,20 @@ class _Part:
     states: list[str]
     snaps: list[Any]
     time_src: list[int]  # per entry, where in the log its time is (-1: the time of the replay)
+    times_of: Any  # a C-level getter of those times where every entry has one in the log, else None
+    totals_at: list[int]  # where ``snaps`` holds window totals (ints), which a shift moves
     rec_windows: list[tuple[str, str]]  # the recorder's open windows, its phase and recompute
     phase: str
     ac_key: str | None
     in_ac: bool
+
+
+def _cut_times(part: _Part, cut: Any) -> Any:
+    """For a part found equal to a step script's cut, whole: a getter of its recorder entries'
+    times from the cut's times (``cut.times(log)``), or None where one has no time in the log."""
+    at = {p: i for i, p in enumerate(cut.full_at)}
+    where = [at.get(p, -1) for p in part.time_src]
+    return _getter(where) if not where or min(where) >= 0 else None
 
 
 def _copied(state: _State) -> _State:
@@ -149,6 +162,33 @@ class ReplayMemo:
         self._counters.replay_seconds += time.perf_counter() - started
         return bool(taken)
 
+    def reuse_cut(self, pending: list[Any], cut: Any, m: int) -> bool:
+        """``reuse`` for a replayed step's log whose first ``m`` entries, all of it, the step script
+        found to be ``cut`` of its script and has not put its entries in for yet
+        (``StepScript.unspliced``): where the remembered part is that cut, put back what it
+        leaves and take them off the log, and hand on the log the script would have put in to be
+        built when read (``step_script.SplicedLog``). False: not remembered, or a failure of its
+        own (it is then off); the script puts its entries in."""
+        if self.off:
+            return False
+        try:
+            plan = self._plan(pending, (cut, m))
+        except Exception as exc:  # noqa: BLE001 - the replay must go on
+            self._fail(exc)
+            return False
+        if plan is None:
+            return False
+        started = time.perf_counter()
+        taken: list[bool] = []
+        try:
+            part = plan[0]
+            times = cut.times(pending)
+            self._put_back(pending, part, m, taken, part.cut_times(times), SplicedLog(cut, times))
+        except Exception as exc:  # noqa: BLE001 - once taken off the log, never replayed as well
+            self._fail(exc)
+        self._counters.replay_seconds += time.perf_counter() - started
+        return bool(taken)
+
     def learned(self, part_log: list[Any], events: list[int], failed: bool) -> None:
         """``part_log`` was replayed (``events``: where its events start); remember it where this
         step is being remembered. ``failed``: an event failed or the replay stopped. Never raises."""
@@ -168,8 +208,9 @@ class ReplayMemo:
         else:
             report(exc)
 
-    def _plan(self, pending: list[Any]) -> tuple[_Part, int] | None:
-        # the remembered part that ``pending`` repeats, and its length; None: replay it
+    def _plan(self, pending: list[Any], unspliced: tuple[Any, int] | None = None) -> tuple[_Part, int] | None:
+        # the remembered part that ``pending`` repeats, and its length; None: replay it.
+        # ``unspliced``: the log is the step script's cut, whole, its entries not put in yet
         counters = self._counters
         self._rec_len = len(self._recorder._keys)
         k = self._k
@@ -179,6 +220,12 @@ class ReplayMemo:
         if not self._hits_only or k >= len(self._parts) or self._recorder._replay is None:
             return None
         part = self._parts[k]
+        if unspliced is not None:  # only a part found to be that cut before, times at hand
+            cut, m = unspliced
+            if part.spliced is not cut or part.cut_times is None or len(pending) != m \
+                    or (k == 0 and not self._starts_alike()):
+                return None
+            return part, m
         n = len(part.masked)
         if len(pending) != n or (k == 0 and not self._starts_alike()):
             return None
@@ -190,7 +237,7 @@ class ReplayMemo:
         # everything but the times, equal: the same events, so a time where the part had one
         if part.fixed(pending) != part.expected:
             return None
-        part.spliced = spliced
+        part.spliced, part.cut_times = spliced, None if spliced is None else _cut_times(part, spliced)
         return part, n
 
     def _learned(self, part_log: list[Any], events: list[int], failed: bool) -> None:
@@ -295,9 +342,9 @@ class ReplayMemo:
         part.masked, part.times_at = masked, times_at
         timed = set(times_at)
         fixed = [p for p in range(len(masked)) if p not in timed]
-        part.fixed = itemgetter(*fixed) if len(fixed) > 1 else lambda log: tuple(log[p] for p in fixed)
+        part.fixed = _getter(fixed)
         part.expected = tuple(masked[p] for p in fixed)
-        part.spliced = None
+        part.spliced = part.cut_times = None
         part.cur = {d: tuple(c) for d, c in counters._cur.items()}
         if self._shiftable and part.cur.keys() != self._start.keys():  # type: ignore[union-attr]
             self._shiftable = False  # a device came: its counters started at 0, not shifted
@@ -307,11 +354,14 @@ class ReplayMemo:
         part.keys, part.states, part.snaps = rec._keys[n:], rec._states[n:], rec._snaps[n:]
         where = {part_log[p]: p for p in times_at}
         part.time_src = [where.get(t, -1) for t in rec._times[n:]]
+        part.times_of = _getter(part.time_src) if part.time_src and min(part.time_src) >= 0 else None
+        part.totals_at = [i for i, snap in enumerate(part.snaps) if snap.__class__ is int]
         part.rec_windows = list(rec.windows)
         part.phase, part.ac_key, part.in_ac = rec.context.phase, rec._ac_key, rec.context.in_ac_recompute
         return part
 
-    def _put_back(self, pending: list[Any], part: _Part, n: int, taken: list[bool]) -> None:
+    def _put_back(self, pending: list[Any], part: _Part, n: int, taken: list[bool], times: Any = None,
+                  log: Any = None) -> None:
         # everything computed first, then the part taken off the log (``taken`` says so) and the
         # state assigned; every step end puts a part back: loops, no comprehension (a frame each)
         # where a loop does, none for an empty list
@@ -326,11 +376,21 @@ class ReplayMemo:
             w.peak, w.live, w.snap = shift.window(state) if shift else _copied(state)
             windows.append(w)
         # a light step's window totals are ints; its state snapshots, taken when read, ()
-        snaps = part.snaps if shift is None or not part.snaps else \
-            [s + shift.total if s.__class__ is int else s for s in part.snaps]
-        now = time.time_ns()
-        times = [pending[p] if p >= 0 else now for p in part.time_src] if part.time_src else []
-        log = pending[:n]
+        snaps = part.snaps
+        if shift is not None and part.totals_at:
+            snaps = snaps[:]
+            total = shift.total
+            for i in part.totals_at:
+                snaps[i] += total
+        if times is not None:  # ``reuse_cut``'s: the log is not built
+            pass
+        elif part.times_of is not None:  # the usual part: every entry's time is in the log
+            times = part.times_of(pending)
+        else:
+            now = time.time_ns()
+            times = [pending[p] if p >= 0 else now for p in part.time_src]
+        if log is None:
+            log = pending[:n]
         del pending[:n]
         taken.append(True)
         self._k += 1

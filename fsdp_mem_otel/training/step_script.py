@@ -108,7 +108,7 @@ class _Script:
         return out
 
 
-def _getter(positions: list[int]) -> Callable[[list[Any]], tuple[Any, ...]]:
+def entries_getter(positions: list[int]) -> Callable[[list[Any]], tuple[Any, ...]]:
     """Those entries of a list, as a tuple, in one C call."""
     if len(positions) > 1:
         return itemgetter(*positions)  # type: ignore[return-value]
@@ -119,7 +119,7 @@ class _Cut:
     """A replayed step's log cut at skeleton entries ``[s0, s0 + m)`` (the same every steady step,
     so kept): what it must hold besides the times, where its times go in the script."""
 
-    __slots__ = ("expected", "f0", "f1", "fixed", "full_at", "t1", "time_slots", "times")
+    __slots__ = ("expected", "f0", "f1", "fixed", "full", "full_at", "t1", "time_slots", "times")
 
     def __init__(self, script: _Script, s0: int, m: int, t0: int) -> None:
         end = s0 + m
@@ -130,7 +130,7 @@ class _Cut:
         times = [skel_at[t] - s0 for t in range(t0, t1)]
         timed = set(times)
         fixed = [p for p in range(m) if p not in timed]
-        self.fixed, self.times, self.time_slots = _getter(fixed), _getter(times), times
+        self.fixed, self.times, self.time_slots = entries_getter(fixed), entries_getter(times), times
         self.expected = tuple(script.skel[s0 + p] for p in fixed)
         # from after the skeleton's entry before it (the scripted changes since are this cut's) to
         # after its own last one (those after it have not happened yet), or the script's end
@@ -138,6 +138,31 @@ class _Cut:
         self.f1 = len(script.full) if end == len(script.skel) else script.skel_in_full[end - 1] + 1
         self.full_at = [script.full_at[t] - self.f0 for t in range(t0, t1)]
         self.t1 = t1
+        self.full = script.full[self.f0:self.f1]
+
+    def spliced(self, times: tuple[int, ...]) -> list[Any]:
+        """The script's entries of this cut, with ``times`` (a step's log's, ``times(log)``) in
+        their places: the step's log as if the work had run."""
+        full = self.full[:]
+        for p, t in zip(self.full_at, times):  # noqa: B905 - as many as the getter takes
+            full[p] = t
+        return full
+
+
+class SplicedLog:
+    """The log a replayed step's cut of the script stands for (``_Cut.spliced``), built when
+    called: the replay memo hands it on in place of a log it did not need to build."""
+
+    __slots__ = ("cut", "times")
+
+    def __init__(self, cut: _Cut, times: tuple[int, ...]) -> None:
+        self.cut, self.times = cut, times
+
+    def __len__(self) -> int:
+        return len(self.cut.full)
+
+    def __call__(self) -> list[Any]:
+        return self.cut.spliced(self.times)
 
 
 def _agreeing(script: _Script, s0: int, log: list[Any], cut: _Cut) -> int:
@@ -205,6 +230,9 @@ class StepScript:
         #: the cut of the script the log now being replayed is, whole (the replay memo trusts a
         #: part it found equal to it once), or None
         self.spliced: _Cut | None = None
+        #: a cut of the script found in the log and not yet put into it, with its length in the
+        #: log (``splice``), or None: the replay memo may put back what it leaves instead
+        self.unspliced: tuple[_Cut, int] | None = None
         # how far this step's log has replayed the script: in the skeleton, its times, the script
         self._skel = self._time = self._full = 0
         self._forwards = 0  # outermost forwards begun
@@ -302,7 +330,7 @@ class StepScript:
         is the skeleton's next entries, by the script up to the skeleton's entry after them, with
         this step's times (otherwise the step misses). Where the log is cut does not matter."""
         mode = self._mode
-        self.spliced = None
+        self.spliced = self.unspliced = None
         if mode == _LEARN:
             if self._learning is not None:
                 try:
@@ -336,18 +364,30 @@ class StepScript:
                 self._put(pending, _Cut(script, s0, same, self._time), same)
             self._miss()
             return
-        self._put(pending, cut, take)
+        self._put(pending, cut, take, later=True)
 
-    def _put(self, pending: list[Any], cut: _Cut, m: int) -> None:
-        # the log's first ``m`` entries, which are the skeleton's next ones, become the script's
-        script = self._script
-        assert script is not None
-        full = script.full[cut.f0:cut.f1]
-        for p, t in zip(cut.full_at, cut.times(pending)):  # noqa: B905 - as many as the getter takes
-            full[p] = t
-        pending[:m] = full
+    def _put(self, pending: list[Any], cut: _Cut, m: int, later: bool = False) -> None:
+        # the log's first ``m`` entries, which are the skeleton's next ones, become the script's:
+        # now, or (``later``) where the replay memo does not put back what they leave (``splice``)
         self._skel, self._time, self._full = self._skel + m, cut.t1, cut.f1
-        self.spliced = cut if len(pending) == len(full) else None  # the log is this cut, whole
+        self.spliced = cut if len(pending) == m else None  # the log is this cut, whole
+        if later:
+            self.unspliced = (cut, m)
+        else:
+            pending[:m] = cut.spliced(cut.times(pending))
+
+    def splice(self, pending: list[Any]) -> None:
+        """Put the script's entries into the log for the cut ``before_flush`` found there and left
+        (``unspliced``), before the log is replayed: the replay memo did not take it."""
+        waiting, self.unspliced = self.unspliced, None
+        if waiting is None:
+            return
+        cut, m = waiting
+        try:
+            pending[:m] = cut.spliced(cut.times(pending))
+        except Exception as exc:  # noqa: BLE001
+            self._full = cut.f0  # none of the cut's scripted changes went in
+            self._fail(exc)
 
     def _fail(self, exc: Exception) -> None:
         self.off = True  # the script stays until this step's end: a replaying step's undoing needs it
