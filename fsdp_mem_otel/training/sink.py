@@ -144,7 +144,10 @@ class Sink:
             if in_backward:  # a forward state in backward: an activation-checkpoint recompute
                 self._recompute_state(key, state, tensors)
             elif state == BEFORE_PRE_FORWARD:
-                self._forward_begins()
+                if self._forward_depth:  # an inner module's: ``_forward_begins`` written out
+                    self._forward_depth += 1
+                else:
+                    self._forward_begins()
                 self.modules.append(key)
             elif tensors is not None:
                 if self._deciding:  # the outermost module's after_pre_forward
@@ -165,7 +168,10 @@ class Sink:
                     self._outputs = None  # also after a forward that raised (no outputs to walk)
                     if self.modules and self.modules[-1] == key:
                         self.modules.pop()
-                    self._forward_ends()
+                    if self._forward_depth > 1:  # an inner module's: ``_forward_ends`` written out
+                        self._forward_depth -= 1
+                    else:
+                        self._forward_ends()
                 if pending is not None and len(pending) > _FLUSH_AT:
                     self.ledger.flush()
         except Exception as exc:  # noqa: BLE001

@@ -425,7 +425,7 @@ class FSDP2Adapter:
         for mirror in self._mirrors.values():
             mirror.reconcile()
         for acct in self._accounts:
-            acct.reconcile()
+            acct.current.reconcile()
         self._check_grads = True
         self._backward_ends.clear()
 
@@ -445,7 +445,7 @@ class FSDP2Adapter:
         if self._check_grads:  # once per step, at its first forward: zero_grad ran before it
             self._check_grads = False
             for acct in self._accounts:
-                acct.reconcile()
+                acct.current.reconcile()
 
     def _forward_ends(self, state: Any) -> None:
         if self._script.skipping or getattr(state._state_ctx, "iter_forward_root", None) is not None:
@@ -472,7 +472,7 @@ class _ModuleHooks:
         self.swapped: list[_SwappedHook] = []  # FSDP's pre- and post-forward hooks wrapped in place
         self.live = [True]  # the wrappers report while this holds (one that someone else still calls may not)
         self.fsdp_handles: tuple[Any, Any] = (None, None)  # FSDP's hook handles when installed
-        self.replaced = False  # a wrapper of ours was found replaced after a forward
+        self.replaced = False  # a wrapper of ours was found replaced (at a step's end)
 
 
 def _fsdp_handles(state: Any) -> tuple[Any, Any]:
@@ -510,6 +510,8 @@ class _ForwardHooks:
         """At a step's end: install again the hooks of modules whose FSDP hooks changed since."""
         changed = []
         for hooks in self._modules:
+            if hooks.swapped:
+                self._check_folded(hooks, *hooks.swapped)
             handles = _fsdp_handles(hooks.state)
             if hooks.replaced or handles[0] is not hooks.fsdp_handles[0] or handles[1] is not hooks.fsdp_handles[1]:
                 changed.append(hooks.key)
@@ -535,13 +537,10 @@ class _ForwardHooks:
     def _install(self, hooks: _ModuleHooks) -> None:
         hooks.fsdp_handles = _fsdp_handles(hooks.state)
         hooks.replaced = False
-        check: Callable[[], None] | None = None
-        if hooks.member is None and hooks.mod is not self._model and self._fold(hooks):
-            check = partial(self._check_folded, hooks, *hooks.swapped)
-        else:
+        if hooks.member is not None or hooks.mod is self._model or not self._fold(hooks):
             self._add_forward_hooks(hooks)
         hooks.handles.append(hooks.mod.register_forward_hook(
-            _io_hook(self._sink, hooks.key, AFTER_POST_FORWARD, first=hooks.ends, then=check), always_call=True))
+            _io_hook(self._sink, hooks.key, AFTER_POST_FORWARD, first=hooks.ends), always_call=True))
 
     def _uninstall(self, hooks: _ModuleHooks) -> None:
         hooks.live[0] = False  # a wrapper someone else still calls (wrapped in theirs) passes through
@@ -571,9 +570,9 @@ class _ForwardHooks:
 
     @staticmethod
     def _check_folded(hooks: _ModuleHooks, pre: _SwappedHook, post: _SwappedHook) -> None:
-        # After each forward of a module whose FSDP hooks we wrapped in place: still ours? Someone
-        # may have replaced them since, and that forward's states went unseen: its hooks are
-        # installed again at the step's end (not here: the dicts are being walked).
+        # At a step's end, for a module whose FSDP hooks we wrapped in place: still ours? Someone
+        # may have replaced them since, and its forwards' states went unseen: its hooks are
+        # installed again.
         if pre.hooks.get(pre.hook_id) is not pre.wrapper or post.hooks.get(post.hook_id) is not post.wrapper:
             hooks.replaced = True
 
@@ -695,9 +694,6 @@ class _Accounts:
         current.after_post_backward(appended)
         if current is self.light and self.light.unfit is not None:
             self._fall_back()
-
-    def reconcile(self) -> None:
-        self.current.reconcile()
 
 
 def _then(sink: EventSink, orig: Callable[..., Any], acct: _Accounts,
@@ -964,18 +960,19 @@ def _grad_node(t: torch.Tensor) -> Any:
 
 
 def _io_hook(sink: EventSink, key: str, state: str, windows: _SharedGroupWindows | None = None,
-             first: Callable[[], None] | None = None, then: Callable[[], None] | None = None) -> Callable[..., None]:
-    """A forward hook passing the module's outputs with the state, after ``first`` and before
-    ``then``; for a module sharing its group, also marks where its backward will start."""
+             first: Callable[[], None] | None = None) -> Callable[..., None]:
+    """A forward hook passing the module's outputs with the state, after ``first``; for a module
+    sharing its group, also marks where its backward will start."""
 
     def hook(_module: Any, _args: Any, outputs: Any) -> None:
         if first is not None:
-            _guarded(sink, first)
+            try:  # ``_guarded``, written out (every module's forward)
+                first()
+            except Exception as exc:  # noqa: BLE001 - the tracker must never break training
+                sink.report_error(exc)
         sink.on_state(key, state, outputs)
         if windows is not None:
             _guarded(sink, lambda: windows.outputs(key, outputs))
-        if then is not None:
-            _guarded(sink, then)
 
     return dynamo_safe(hook)
 
