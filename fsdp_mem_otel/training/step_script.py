@@ -328,7 +328,10 @@ class StepScript:
     def before_flush(self, pending: list[Any]) -> None:
         """Before the log is replayed: a learn step keeps it; a replaying step replaces it, if it
         is the skeleton's next entries, by the script up to the skeleton's entry after them, with
-        this step's times (otherwise the step misses). Where the log is cut does not matter."""
+        this step's times (otherwise the step misses). Where the log is cut does not matter.
+        Entries that fit are left as they are for the ledger (``unspliced``): the replay memo
+        may put back what the script's entries would leave without building them, else
+        ``splice`` puts them in."""
         mode = self._mode
         self.spliced = self.unspliced = None
         if mode == _LEARN:
