@@ -307,3 +307,60 @@ def test_replayed_steps_keep_nothing_the_training_made() -> None:
         assert replayed >= 8
         assert alive_after == alone  # a step's outputs and saved tensors: as untracked, a step later
         assert all(n < 20 for n in alone)  # (those FSDP keeps, not everything)
+
+
+def state_times_in_order(steps: int) -> tuple[list[list[tuple[str, str]]], list[list[tuple[str, str]]], int]:
+    """Per step: the (module, state) events in the order FSDP2's hooks reported them, and the same
+    events ordered by the times the step's report gives them. The sink's clock is a counter, so
+    each event's time is its place in the step."""
+    import itertools
+
+    from fsdp_mem_otel.schema import BACKWARD_STATES, FORWARD_STATES
+    from fsdp_mem_otel.training import sink as sink_module
+
+    rank = torch.distributed.get_rank()
+    model, opt = build(3, 32, WrapOptions(fsdp=2))
+    tracker = FSDPMemoryTracker(model, opt).attach()
+    sink = tracker._sink
+    clock = itertools.count(1)
+    sink_module._time_ns, real_clock = clock.__next__, sink_module._time_ns
+    called: list[tuple[str, str]] = []
+    on_state, backward_state = sink.on_state, sink.backward_state
+
+    def forward_event(key: str, state: str, *args: Any) -> None:
+        called.append((key, state))
+        on_state(key, state, *args)
+
+    def backward_event(key: str, state: str, *args: Any) -> None:
+        called.append((key, state))
+        backward_state(key, state, *args)
+
+    sink.on_state, sink.backward_state = forward_event, backward_event  # type: ignore[method-assign]
+    hooked_order, reported_order = [], []
+    fsdp_states = FORWARD_STATES | BACKWARD_STATES  # not the peaks: they take their closing state's time
+    try:
+        for step in range(steps):
+            called.clear()
+            train_step(model, opt, make_batch(step, 8, 32, rank))
+            report = tracker.step()
+            timed = sorted((t, key, state) for key, mod in report.modules.items()
+                           for state, times in mod.times.items() if state in fsdp_states for t in times)
+            hooked_order.append(list(called))
+            reported_order.append([(key, state) for _, key, state in timed])
+    finally:
+        sink_module._time_ns = real_clock
+        tracker.detach()
+    return hooked_order, reported_order, sink.script.replayed
+
+
+def test_replayed_steps_give_each_state_the_time_it_was_reached() -> None:
+    """A replayed step's log is the script's with this step's times in place; where the replay
+    memo puts back what it leaves, the times come from the step's own log in one C call: each
+    module state still gets the time it was reached (ordered by time, the report's events are the
+    order the hooks ran in), on replayed steps as on learnt ones."""
+    steps = 8
+    for hooked, reported, replayed in run_ranks(state_times_in_order, steps):
+        assert replayed >= steps - 3
+        for step, (ran, timed) in enumerate(zip(hooked, reported, strict=True), 1):
+            assert len(ran) > 20, f"step {step}: too few state events"
+            assert timed == ran, f"step {step}: times out of order"
