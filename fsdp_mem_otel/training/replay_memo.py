@@ -82,6 +82,49 @@ def _copied(state: _State) -> _State:
     return dict(peak), set(live), None if snap is None else dict(snap)
 
 
+def _times_of(rec: Any, part_log: list[Any], events: list[int]) -> list[int] | None:
+    """Where the events' times are in ``part_log``; None where a part cannot be remembered: an
+    event that is not recorder ``rec``'s with its time last, or two events at the same time (which
+    snapshot took which could not be told apart)."""
+    times_at = []
+    for at in events:
+        n = part_log[at + 1]
+        p = at + 1 + n
+        if not n or getattr(part_log[at], "__self__", None) is not rec or part_log[p].__class__ is not int:
+            return None
+        times_at.append(p)
+    if len({part_log[p] for p in times_at}) != len(times_at):
+        return None
+    return times_at
+
+
+def _capture(counters: Any, rec: Any, rec_len: int, part_log: list[Any], times_at: list[int]) -> _Part:
+    """The part ``part_log`` just replayed: its log masked, and the state the replay left in
+    ``counters`` and in recorder ``rec`` (its entries from ``rec_len`` on)."""
+    part = _Part()
+    masked = part_log[:]
+    for p in times_at:
+        masked[p] = 0
+    part.masked, part.times_at = masked, times_at
+    timed = set(times_at)
+    fixed = [p for p in range(len(masked)) if p not in timed]
+    part.fixed = _getter(fixed)
+    part.expected = tuple(masked[p] for p in fixed)
+    part.spliced = part.cut_times = None
+    part.cur = {d: tuple(c) for d, c in counters._cur.items()}
+    part.step = _copied((counters._step.peak, counters._step.live, counters._step.snap))
+    part.windows = [_copied((w.peak, w.live, w.snap)) for w in counters._windows]
+    n = rec_len
+    part.keys, part.states, part.snaps = rec._keys[n:], rec._states[n:], rec._snaps[n:]
+    where = {part_log[p]: p for p in times_at}
+    part.time_src = [where.get(t, -1) for t in rec._times[n:]]
+    part.times_of = _getter(part.time_src) if part.time_src and min(part.time_src) >= 0 else None
+    part.totals_at = [i for i, snap in enumerate(part.snaps) if snap.__class__ is int]
+    part.rec_windows = list(rec.windows)
+    part.phase, part.ac_key, part.in_ac = rec.context.phase, rec._ac_key, rec.context.in_ac_recompute
+    return part
+
+
 class _Shift:
     """Moves remembered counters by a constant, on the one device a shiftable step has."""
 
@@ -264,7 +307,7 @@ class ReplayMemo:
                 del self._parts[k:]
                 self._entries = sum(len(p.masked) for p in self._parts)
                 self._learning = True
-            elif self._learnable(k, part_log, self._times_of(part_log, events)):  # other counters: afresh
+            elif self._learnable(k, part_log, _times_of(self._recorder, part_log, events)):  # other counters: afresh
                 self._forget()
         if not self._learning:
             return
@@ -272,11 +315,14 @@ class ReplayMemo:
             self._forget()
             self._learning = False
             return
-        times_at = self._times_of(part_log, events)
+        times_at = _times_of(self._recorder, part_log, events)
         if times_at is None or not self._learnable(k, part_log, times_at):
             self._learning = False  # the parts before it stay
             return
-        self._parts.append(self._capture(part_log, times_at))
+        part = _capture(self._counters, self._recorder, self._rec_len, part_log, times_at)
+        if self._shiftable and part.cur.keys() != self._start.keys():  # type: ignore[union-attr]
+            self._shiftable = False  # a device came: its counters started at 0, not shifted
+        self._parts.append(part)
         self._entries += len(part_log)
         self.remembered += 1
 
@@ -316,49 +362,6 @@ class ReplayMemo:
     def _learnable(self, k: int, part_log: list[Any], times_at: list[int] | None) -> bool:
         # within the bounds, and made of the recorder's timed events only (``_times_of``)
         return k < _MAX_PARTS and self._entries + len(part_log) <= _MAX_ENTRIES and times_at is not None
-
-    def _times_of(self, part_log: list[Any], events: list[int]) -> list[int] | None:
-        # where the events' times are; None where a part cannot be remembered: an event that is
-        # not this recorder's with its time last, or two events at the same time (which snapshot
-        # took which could not be told apart)
-        times_at = []
-        rec = self._recorder
-        for at in events:
-            n = part_log[at + 1]
-            p = at + 1 + n
-            if not n or getattr(part_log[at], "__self__", None) is not rec or part_log[p].__class__ is not int:
-                return None
-            times_at.append(p)
-        if len({part_log[p] for p in times_at}) != len(times_at):
-            return None
-        return times_at
-
-    def _capture(self, part_log: list[Any], times_at: list[int]) -> _Part:
-        counters, rec = self._counters, self._recorder
-        part = _Part()
-        masked = part_log[:]
-        for p in times_at:
-            masked[p] = 0
-        part.masked, part.times_at = masked, times_at
-        timed = set(times_at)
-        fixed = [p for p in range(len(masked)) if p not in timed]
-        part.fixed = _getter(fixed)
-        part.expected = tuple(masked[p] for p in fixed)
-        part.spliced = part.cut_times = None
-        part.cur = {d: tuple(c) for d, c in counters._cur.items()}
-        if self._shiftable and part.cur.keys() != self._start.keys():  # type: ignore[union-attr]
-            self._shiftable = False  # a device came: its counters started at 0, not shifted
-        part.step = _copied((counters._step.peak, counters._step.live, counters._step.snap))
-        part.windows = [_copied((w.peak, w.live, w.snap)) for w in counters._windows]
-        n = self._rec_len
-        part.keys, part.states, part.snaps = rec._keys[n:], rec._states[n:], rec._snaps[n:]
-        where = {part_log[p]: p for p in times_at}
-        part.time_src = [where.get(t, -1) for t in rec._times[n:]]
-        part.times_of = _getter(part.time_src) if part.time_src and min(part.time_src) >= 0 else None
-        part.totals_at = [i for i, snap in enumerate(part.snaps) if snap.__class__ is int]
-        part.rec_windows = list(rec.windows)
-        part.phase, part.ac_key, part.in_ac = rec.context.phase, rec._ac_key, rec.context.in_ac_recompute
-        return part
 
     def _put_back(self, pending: list[Any], part: _Part, n: int, taken: list[bool], times: Any = None,
                   log: Any = None) -> None:

@@ -9,8 +9,9 @@ saved-tensor hooks (``SavedTensorAccounting``), pushed while the outermost FSDP 
 its after_pre_forward, where its inputs decide whether the step sees them or replays what earlier
 steps saw: ``step_script.StepScript``) and, for an FSDP module recomputed inside a
 checkpointed region, while it is recomputed; FSDP buffers enter the ledger as tensors
-(``track*``) or, where FSDP's own events tell their size and lifetime, as integers (``add``). It
-knows nothing of FSDP and holds no tensor: unit tests drive it directly (tests/training/test_sink.py).
+(``track*``) or, where FSDP's own events tell their size and lifetime, as integers (``add``):
+those calls are its base's, ``sink_bytes.LedgerCalls``. It knows nothing of FSDP and holds no
+tensor: unit tests drive it directly (tests/training/test_sink.py).
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ from fsdp_mem_otel.schema import (
 )
 from fsdp_mem_otel.training.activations import SavedTensorAccounting
 from fsdp_mem_otel.training.adapters.base import tensors_in
-from fsdp_mem_otel.training.counters import _N
 from fsdp_mem_otel.training.deep import release_backend_buffers
-from fsdp_mem_otel.training.ledger import INDEX, SCRIPTED, Ledger, storages_of
+from fsdp_mem_otel.training.ledger import INDEX, SCRIPTED, Ledger
 from fsdp_mem_otel.training.recorder import StepRecorder
+from fsdp_mem_otel.training.sink_bytes import LedgerCalls
 from fsdp_mem_otel.training.step_script import StepScript
 
 _in_backward = torch._C._current_graph_task_id
@@ -57,7 +58,7 @@ def _nothing(*_: Any) -> None:
     return None
 
 
-class Sink:
+class Sink(LedgerCalls):
     """Adapter events in, ledger updates and snapshots out; never raises.
 
     Args:
@@ -76,7 +77,6 @@ class Sink:
         self.report_error = on_error
         self._sample = sample
         self._activations_on = getattr(config, "activations", True)
-        #: events are accounted only while active (the tracker attached)
         self.active = False
         #: a deep step's dispatch mode runs: it accounts every op, saved tensors included
         self.deep = False
@@ -322,82 +322,6 @@ class Sink:
         if self._forward_depth == 0 and self._forward_pushed:
             self._forward_pushed = False
             self.activations.pop()
-
-    # -- bytes -----------------------------------------------------------------------------------
-    def add(self, device: str, cat: int, delta: int) -> None:
-        """Add ``delta`` bytes to category index ``cat`` (``ledger.INDEX``) on ``device``: FSDP
-        buffers whose size and lifetime the adapter knows from FSDP's own events."""
-        if self.active and delta:
-            pending = self.ledger.pending
-            if pending is not None:  # ``Counters._add``, written out: ~170 calls a step
-                # scripted once a step is decided: a replayed step takes these from its script
-                pending.extend((device, cat - _N if self.script.scripting else cat, delta))
-                return
-            try:
-                self.ledger._add(device, cat, delta)
-            except Exception as exc:  # noqa: BLE001
-                self.report_error(exc)
-
-    def hold(self, st: torch.UntypedStorage, category: str) -> None:
-        """Make ``st`` known to the ledger at 0 bytes (an integer account carries its bytes)."""
-        try:
-            self.ledger.hold(st, category)
-        except Exception as exc:  # noqa: BLE001
-            self.report_error(exc)
-
-    def forget(self, obj: torch.Tensor | torch.UntypedStorage) -> None:
-        """A storage, or a tensor's storages, keep their entries at 0 bytes: FSDP let go of it
-        (whoever else still holds it), or an integer account takes its bytes over."""
-        try:
-            for st in [obj] if isinstance(obj, torch.UntypedStorage) else storages_of(obj, self.ledger.fake_mode):
-                self.ledger.forget(st)
-        except Exception as exc:  # noqa: BLE001
-            self.report_error(exc)
-
-    def track(self, tensor: torch.Tensor | None, category: str) -> None:
-        """Account ``tensor``'s storages under ``category`` (re-categorizing known ones)."""
-        if tensor is None or not self.active:
-            return
-        try:
-            self.ledger.track(tensor, category)
-        except Exception as exc:  # noqa: BLE001
-            self.report_error(exc)
-
-    def track_all(self, tensors: list[torch.Tensor | None], category: str) -> None:
-        """``track`` for each of ``tensors`` (None entries skipped), in one call."""
-        if not self.active:
-            return
-        try:
-            self.ledger.track_all(tensors, category)
-        except Exception as exc:  # noqa: BLE001
-            self.report_error(exc)
-
-    def track_storages(self, storages: list[torch.UntypedStorage], category: str) -> None:
-        """Account storages FSDP keeps (and resizes) under ``category``."""
-        if not self.active:
-            return
-        try:
-            self.ledger.track_storages(storages, category)
-        except Exception as exc:  # noqa: BLE001
-            self.report_error(exc)
-
-    def refresh(self, tensor: torch.Tensor | None) -> None:
-        """``tensor``'s storages may have been resized: re-read their sizes."""
-        if tensor is None or not self.active:
-            return
-        try:
-            self.ledger.refresh(tensor)
-        except Exception as exc:  # noqa: BLE001
-            self.report_error(exc)
-
-    def refresh_storages(self, storages: list[torch.UntypedStorage]) -> None:
-        """``storages`` may have been resized: re-read their sizes."""
-        if not self.active:
-            return
-        try:
-            self.ledger.refresh_storages(storages)
-        except Exception as exc:  # noqa: BLE001
-            self.report_error(exc)
 
 
 def _signature(inputs: object) -> tuple[Any, ...]:

@@ -1,0 +1,103 @@
+"""The sink's calls that put FSDP's buffers in the ledger: as integers (``add``) or as tensors.
+
+``LedgerCalls`` is the part of ``sink.Sink`` (its base) that adapters call with bytes and
+tensors rather than with states: each call is contained (a failure goes to ``report_error``) and
+does nothing while the tracker is detached. Kept apart from the state events so that each reads
+in one sitting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from fsdp_mem_otel.training.counters import _N
+from fsdp_mem_otel.training.ledger import Ledger, storages_of
+from fsdp_mem_otel.training.step_script import StepScript
+
+
+class LedgerCalls:
+    """FSDP buffers into ``ledger``; never raises (see the module docstring)."""
+
+    ledger: Ledger
+    script: StepScript
+    report_error: Callable[[BaseException], None]
+    #: events are accounted only while active (the tracker attached)
+    active: bool
+
+    def add(self, device: str, cat: int, delta: int) -> None:
+        """Add ``delta`` bytes to category index ``cat`` (``ledger.INDEX``) on ``device``: FSDP
+        buffers whose size and lifetime the adapter knows from FSDP's own events."""
+        if self.active and delta:
+            pending = self.ledger.pending
+            if pending is not None:  # ``Counters._add``, written out: ~170 calls a step
+                # scripted once a step is decided: a replayed step takes these from its script
+                pending.extend((device, cat - _N if self.script.scripting else cat, delta))
+                return
+            try:
+                self.ledger._add(device, cat, delta)
+            except Exception as exc:  # noqa: BLE001
+                self.report_error(exc)
+
+    def hold(self, st: torch.UntypedStorage, category: str) -> None:
+        """Make ``st`` known to the ledger at 0 bytes (an integer account carries its bytes)."""
+        try:
+            self.ledger.hold(st, category)
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+
+    def forget(self, obj: torch.Tensor | torch.UntypedStorage) -> None:
+        """A storage, or a tensor's storages, keep their entries at 0 bytes: FSDP let go of it
+        (whoever else still holds it), or an integer account takes its bytes over."""
+        try:
+            for st in [obj] if isinstance(obj, torch.UntypedStorage) else storages_of(obj, self.ledger.fake_mode):
+                self.ledger.forget(st)
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+
+    def track(self, tensor: torch.Tensor | None, category: str) -> None:
+        """Account ``tensor``'s storages under ``category`` (re-categorizing known ones)."""
+        if tensor is None or not self.active:
+            return
+        try:
+            self.ledger.track(tensor, category)
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+
+    def track_all(self, tensors: list[torch.Tensor | None], category: str) -> None:
+        """``track`` for each of ``tensors`` (None entries skipped), in one call."""
+        if not self.active:
+            return
+        try:
+            self.ledger.track_all(tensors, category)
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+
+    def track_storages(self, storages: list[torch.UntypedStorage], category: str) -> None:
+        """Account storages FSDP keeps (and resizes) under ``category``."""
+        if not self.active:
+            return
+        try:
+            self.ledger.track_storages(storages, category)
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+
+    def refresh(self, tensor: torch.Tensor | None) -> None:
+        """``tensor``'s storages may have been resized: re-read their sizes."""
+        if tensor is None or not self.active:
+            return
+        try:
+            self.ledger.refresh(tensor)
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+
+    def refresh_storages(self, storages: list[torch.UntypedStorage]) -> None:
+        """``storages`` may have been resized: re-read their sizes."""
+        if not self.active:
+            return
+        try:
+            self.ledger.refresh_storages(storages)
+        except Exception as exc:  # noqa: BLE001
+            self.report_error(exc)
+
