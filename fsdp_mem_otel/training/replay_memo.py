@@ -182,15 +182,15 @@ class ReplayMemo:
         self._hits_only = self._learning = False
 
     # -- the replay asks ----------------------------------------------------------------------
-    def reuse(self, pending: list[Any]) -> bool:
+    def reuse(self, pending: list[Any], unspliced: tuple[Any, int] | None = None) -> bool:
         """Put back what replaying ``pending`` would leave, if remembered, and take that part off
         it (what was queued meanwhile stays); False: replay it. Never raises: a failure turns the
         memo off for good (counted as a failing replay); before the part was taken off the log, it
-        is then replayed."""
+        is then replayed. ``unspliced``: see ``reuse_cut``."""
         if self.off:
             return False
         try:
-            plan = self._plan(pending)
+            plan = self._plan(pending, unspliced)
         except Exception as exc:  # noqa: BLE001 - the replay must go on
             self._fail(exc)
             return False
@@ -199,7 +199,13 @@ class ReplayMemo:
         started = time.perf_counter()
         taken: list[bool] = []
         try:
-            self._put_back(pending, *plan, taken)
+            part, n = plan
+            if unspliced is None:
+                self._put_back(pending, part, n, taken)
+            else:
+                cut = unspliced[0]
+                times = cut.times(pending)
+                self._put_back(pending, part, n, taken, part.cut_times(times), SplicedLog(cut, times))
         except Exception as exc:  # noqa: BLE001 - once taken off the log, never replayed as well
             self._fail(exc)
         self._counters.replay_seconds += time.perf_counter() - started
@@ -212,25 +218,7 @@ class ReplayMemo:
         leaves and take them off the log, and hand on the log the script would have put in to be
         built when read (``step_script.SplicedLog``). False: not remembered, or a failure of its
         own (it is then off); the script puts its entries in."""
-        if self.off:
-            return False
-        try:
-            plan = self._plan(pending, (cut, m))
-        except Exception as exc:  # noqa: BLE001 - the replay must go on
-            self._fail(exc)
-            return False
-        if plan is None:
-            return False
-        started = time.perf_counter()
-        taken: list[bool] = []
-        try:
-            part = plan[0]
-            times = cut.times(pending)
-            self._put_back(pending, part, m, taken, part.cut_times(times), SplicedLog(cut, times))
-        except Exception as exc:  # noqa: BLE001 - once taken off the log, never replayed as well
-            self._fail(exc)
-        self._counters.replay_seconds += time.perf_counter() - started
-        return bool(taken)
+        return self.reuse(pending, (cut, m))
 
     def learned(self, part_log: list[Any], events: list[int], failed: bool) -> None:
         """``part_log`` was replayed (``events``: where its events start); remember it where this
