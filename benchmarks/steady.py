@@ -3,7 +3,7 @@
 Run (2 ranks, gloo, CPU):
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/steady.py [--models dispatch-16,dispatch-64,compute-4]
-        [--rounds 61] [--steps 2] [--warmup 40] [--json PATH]
+        [--rounds 61] [--steps 2] [--warmup 40] [--json PATH] [--aa]
 
 Each model is built twice with the same initial weights, both copies wrapped with FSDP2 on the
 same process group: one is tracked (light mode, this tree's defaults) from its warm-up to the
@@ -18,6 +18,8 @@ over the untracked one's: short rounds pair steps a second or less apart, so the
 model: the median over rounds of those ratios (the figure
 the targets are about: 1.03x on the dispatch-bound models, 1.01x on the compute-bound one), their
 range, and what the tracker did in the timed steps (replayed, learnt, replays that missed).
+``--aa`` detaches the tracker after the warm-up, so both copies train untracked: the ratios then
+show what the method reads on its own.
 
 ``overhead.py`` attaches each variant's tracker anew in every round, so the first two of each
 round's steps learn (a run learns twice once, at its start) and, as the same batches come back
@@ -85,8 +87,9 @@ def _steps(model: Any, opt: Any, xs: Iterator[torch.Tensor], tracker: FSDPMemory
     return cpu, wall
 
 
-def measure(name: str, rounds: int, steps: int, warmup: int, rank: int) -> dict[str, Any]:
-    """One model's rounds: per-round ratios and what the tracker did in the timed steps."""
+def measure(name: str, rounds: int, steps: int, warmup: int, rank: int, aa: bool = False) -> dict[str, Any]:
+    """One model's rounds: per-round ratios and what the tracker did in the timed steps.
+    ``aa``: the tracker is attached but neither copy's steps call it (an A/A check of the method)."""
     blocks, width, batch = MODELS[name]
     plain, plain_opt = build(blocks, width, WrapOptions(fsdp=2))
     tracked, tracked_opt = build(blocks, width, WrapOptions(fsdp=2))
@@ -98,11 +101,14 @@ def measure(name: str, rounds: int, steps: int, warmup: int, rank: int) -> dict[
         _steps(tracked, tracked_opt, batches.take(warmup), tracker)
         script = tracker._sink.script
         replayed0, misses0, steps0 = script.replayed, script.misses, tracker.steps_completed
+        if aa:  # the "tracked" copy trains as the other does: FSDP's hooks and ours are not called
+            tracker.detach()
         for r in range(rounds):
             timed: dict[bool, tuple[list[float], list[float]]] = {}
             for is_tracked in ((False, True) if r % 2 == 0 else (True, False)):
                 model, opt = (tracked, tracked_opt) if is_tracked else (plain, plain_opt)
-                timed[is_tracked] = _steps(model, opt, batches.take(steps), tracker if is_tracked else None)
+                timed[is_tracked] = _steps(model, opt, batches.take(steps),
+                                           tracker if is_tracked and not aa else None)
             cpu_ratios.append(statistics.median(timed[True][0]) / statistics.median(timed[False][0]))
             wall_ratios.append(statistics.median(timed[True][1]) / statistics.median(timed[False][1]))
             if rank == 0:
@@ -123,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2, help="timed steps per copy per round (default 2)")
     p.add_argument("--warmup", type=int, default=40, help="untimed steps per copy before the rounds (default 40)")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file (rank 0)")
+    p.add_argument("--aa", action="store_true",
+                   help="A/A check: detach the tracker after the warm-up, so that both copies train untracked "
+                        "and the ratios show what the method alone reads (about 1.000x if unbiased)")
     args = p.parse_args(argv)
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in names if m not in MODELS]
@@ -132,10 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, flag) < 1:
             p.error(f"--{flag}: must be at least 1, got {getattr(args, flag)}")
     rank, world = init_distributed()
-    results = {name: measure(name, args.rounds, args.steps, args.warmup, rank) for name in names}
+    results = {name: measure(name, args.rounds, args.steps, args.warmup, rank, args.aa) for name in names}
     if rank == 0:
         print(f"world_size={world} torch={torch.__version__} rounds={args.rounds} steps={args.steps} "
-              f"warmup={args.warmup}")
+              f"warmup={args.warmup}" + (" A/A: both copies untracked" if args.aa else ""))
         print(f"{'model':<14} {'CPU ratio':>10} {'range':>15} {'wall ratio':>11} {'target':>7}  "
               "tracker in the timed steps")
         for name, r in results.items():
@@ -145,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{t['misses']} missed, {t['errors']} errors")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"world_size": world, "torch": torch.__version__, "rounds": args.rounds,
-                           "steps": args.steps, "warmup": args.warmup, "models": results}, f, indent=2)
+                json.dump({"world_size": world, "torch": torch.__version__, "rounds": args.rounds, "steps": args.steps,
+                       "warmup": args.warmup, "aa": args.aa, "models": results}, f, indent=2)
     dist.destroy_process_group()
     return 0
 
