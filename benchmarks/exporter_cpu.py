@@ -89,7 +89,7 @@ def record(steps: int, modules: int, deep_every: int) -> list[StepReport]:
 
     from fsdp_mem_otel import FSDPMemoryTracker
     from fsdp_mem_otel.config import TrackerConfig
-    from fsdp_mem_otel.training.demo import make_batch, train_step
+    from fsdp_mem_otel.tools.demo import make_batch, train_step
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from fsdp_mem_otel.exporters.jsonl import JSONLExporter
 from fsdp_mem_otel.exporters.otel import OTelSpanExporter
 from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
-from fsdp_mem_otel.training.demo import WrapOptions, build, init_distributed, make_batch, train_step
+from fsdp_mem_otel.tools.demo import WrapOptions, build, init_distributed, make_batch, train_step
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
 VARIANTS = ("healthy", "exporter_raises", "otlp_down", "otlp_hanging", "sidecar_unwritable",

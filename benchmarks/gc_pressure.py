@@ -26,7 +26,7 @@ import tempfile
 import time
 from typing import Any
 
-from fsdp_mem_otel.training.demo import WrapOptions, build, init_distributed, make_batch, train_step
+from fsdp_mem_otel.tools.demo import WrapOptions, build, init_distributed, make_batch, train_step
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_mem_otel.training.demo import WrapOptions, build, init_distributed, make_batch, train_step
+from fsdp_mem_otel.tools.demo import WrapOptions, build, init_distributed, make_batch, train_step
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
 MODELS = {

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_mem_otel.checks import int_at_least
-from fsdp_mem_otel.training.demo import WrapOptions, build, init_distributed, make_batch, train_step
+from fsdp_mem_otel.tools.demo import WrapOptions, build, init_distributed, make_batch, train_step
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
 VARIANTS = ("untracked", "tracked")

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_mem_otel.config import TrackerConfig
-from fsdp_mem_otel.training.demo import init_distributed
+from fsdp_mem_otel.tools.demo import init_distributed
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])

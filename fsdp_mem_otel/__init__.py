@@ -4,7 +4,8 @@ Public API: FSDPMemoryTracker, TrackerConfig, StepReport, ModuleReport and the C
 vocabularies. Importing the package does not import torch; the tracker does.
 
 Layout: the shared vocabulary at the top (schema, config, env, checks, failures, identity), then
-one folder per part: ``training/`` (runs inside training, needs torch), ``exporters/`` (reports
+one folder per part: ``training/`` (runs inside training, needs torch), ``tools/`` (built on it:
+``estimate``, its ``--fit`` search, the demo training), ``exporters/`` (reports
 out to Prometheus, OpenTelemetry and JSON lines), ``fleet/`` (the sidecar, catalog, rules,
 dashboards and manifests, without torch), ``offline/`` (report, compare and the JSONL readers,
 without torch); ``integrations/`` and ``cli.py`` are entry points that wire them together.

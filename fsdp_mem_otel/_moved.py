@@ -1,6 +1,8 @@
 """Module paths of 0.1 kept working: ``import fsdp_mem_otel.tracker`` and ``python -m
-fsdp_mem_otel.report`` find the modules where they live now (``training/``, ``fleet/``,
-``offline/``, ``exporters/``). Nothing is imported until an old path is asked for."""
+fsdp_mem_otel.report`` find the modules where they live now (``training/``, ``tools/``, ``fleet/``,
+``offline/``, ``exporters/``); so do the later ``fsdp_mem_otel.training.estimate``,
+``.estimate_fit`` and ``.demo`` (now in ``tools/``). Nothing is imported until an old path is
+asked for."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from typing import Any
 
 _PARTS = {
     "training": ("tracker", "sink", "recorder", "ledger", "activations", "deep", "optimizers", "adapters",
-                 "compile_support", "allocator", "estimate", "demo"),
+                 "compile_support", "allocator"),
+    "tools": ("estimate", "demo"),
     "exporters": ("worker",),
     "fleet": ("serve", "http_server", "rank_files", "catalog", "dashboards", "alerts", "k8s_files"),
     "offline": ("report", "run_index", "compare", "jsonl_format", "table"),
@@ -22,6 +25,7 @@ _PARTS = {
 #: old dotted path -> where it lives now
 MOVED: dict[str, str] = {f"fsdp_mem_otel.{m}": f"fsdp_mem_otel.{part}.{m}" for part, ms in _PARTS.items() for m in ms}
 MOVED["fsdp_mem_otel.model"] = "fsdp_mem_otel.schema"
+MOVED.update({f"fsdp_mem_otel.training.{m}": f"fsdp_mem_otel.tools.{m}" for m in ("estimate", "estimate_fit", "demo")})
 
 
 class _Alias(importlib.abc.Loader):

@@ -26,7 +26,7 @@ commands:
 def demo(argv: Sequence[str]) -> int:
     """Launch the demo's ranks under torchrun (gloo, CPU), after validating the options and the
     FSDP_MEM_OTEL_* environment here (the ranks read both, as a job does)."""
-    from fsdp_mem_otel.training.demo import add_demo_args, demo_configs
+    from fsdp_mem_otel.tools.demo import add_demo_args, demo_configs
 
     p = argparse.ArgumentParser(
         prog="fsdp-mem-otel demo",
@@ -49,7 +49,7 @@ def demo(argv: Sequence[str]) -> int:
     rank_args = [a for a in rank_args if not a.startswith("--nproc=")]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-        "-m", "fsdp_mem_otel.training.demo", *rank_args,
+        "-m", "fsdp_mem_otel.tools.demo", *rank_args,
     ]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -58,7 +58,7 @@ def demo(argv: Sequence[str]) -> int:
 
 
 def estimate(argv: Sequence[str]) -> int:
-    from fsdp_mem_otel.training.estimate import estimate_main
+    from fsdp_mem_otel.tools.estimate_cli import estimate_main
 
     return estimate_main(argv)
 

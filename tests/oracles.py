@@ -55,7 +55,7 @@ def grad_bytes(model: nn.Module) -> int:
 
 def expected_module_keys(blocks: int, nested: bool = False) -> list[str]:
     """Oracle for module keys: the unwrapped model's own names of what gets sharded."""
-    from fsdp_mem_otel.training.demo import Block, BlockModel, InnerLinear
+    from fsdp_mem_otel.tools.demo import Block, BlockModel, InnerLinear
 
     kinds = (Block, InnerLinear) if nested else (Block,)
     plain = BlockModel(blocks, 8)
@@ -64,7 +64,7 @@ def expected_module_keys(blocks: int, nested: bool = False) -> list[str]:
 
 def block_param_bytes() -> int:
     """Unsharded bytes of one Block's parameters, from the unwrapped module."""
-    from fsdp_mem_otel.training.demo import Block
+    from fsdp_mem_otel.tools.demo import Block
 
     return sum(p.numel() * p.element_size() for p in Block(WIDTH).parameters())
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch, train_step
+from fsdp_mem_otel.tools.demo import WrapOptions, build, make_batch, train_step
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 from tests.dist import free_ports, run_ranks
 from tests.oracles import BATCH, BLOCKS, WIDTH, expected_module_keys

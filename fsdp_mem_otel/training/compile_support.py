@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 # Every module whose functions run inside hooks, optimizer hooks or saved-tensor hooks. The demo
-# model (fsdp_mem_otel.training.demo) is not here: users and tests compile it.
+# model (fsdp_mem_otel.tools.demo) is not here: users and tests compile it.
 _HOOK_MODULES = (
     "fsdp_mem_otel.training.activations",
     "fsdp_mem_otel.training.adapters",

@@ -61,7 +61,7 @@ def train_for_prometheus(base_port: int, sidecar_dir: str, sidecar_port: int, st
     from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
     from fsdp_mem_otel.fleet import serve
     from fsdp_mem_otel.identity import Identity
-    from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch, train_step
+    from fsdp_mem_otel.tools.demo import WrapOptions, build, make_batch, train_step
     from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
     from tests.exporters.test_prometheus import small_report
 

@@ -35,7 +35,7 @@ def _train(port: int) -> dict[str, Any]:
 
     from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
     from fsdp_mem_otel.identity import Identity
-    from fsdp_mem_otel.training.demo import BlockModel, train_step
+    from fsdp_mem_otel.tools.demo import BlockModel, train_step
     from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
     torch.manual_seed(0)

@@ -72,7 +72,7 @@ def _rank(job: str, rank: int, world: int, port: int, node: str, sidecar: str, s
 
     from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
     from fsdp_mem_otel.identity import Identity
-    from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch, train_step
+    from fsdp_mem_otel.tools.demo import WrapOptions, build, make_batch, train_step
     from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
     torch.set_num_threads(1)

@@ -197,7 +197,7 @@ def _train(exporters: list[Any], steps: int, pause: float = 0.0) -> dict[str, An
     processor's 50 ms schedule starts exports while the loop still runs, however fast it is)."""
     import torch.distributed as dist
 
-    from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch, train_step
+    from fsdp_mem_otel.tools.demo import WrapOptions, build, make_batch, train_step
     from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
     rank = dist.get_rank()

@@ -92,7 +92,7 @@ def train_scrape_and_serve(base_port: int, tls_base_port: int, sidecar_dir: str,
 
     from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
     from fsdp_mem_otel.fleet import serve
-    from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch, train_step
+    from fsdp_mem_otel.tools.demo import WrapOptions, build, make_batch, train_step
     from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
     rank = dist.get_rank()

@@ -63,7 +63,7 @@ def budget_run(directory: str) -> Emitted:
     from fsdp_mem_otel.exporters.otel import OTelSpanExporter
     from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
     from fsdp_mem_otel.offline.jsonl_format import read_reports
-    from fsdp_mem_otel.training.demo import make_batch, train_step
+    from fsdp_mem_otel.tools.demo import make_batch, train_step
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(MODULES - 1)])

@@ -394,7 +394,7 @@ def train_with_jsonl(path_template: str) -> list[StepReport]:
     """Rank side: 3 FSDP2 steps under the tracker with a JSONLExporter; returns step() reports."""
     import torch.distributed as dist
 
-    from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch, train_step
+    from fsdp_mem_otel.tools.demo import WrapOptions, build, make_batch, train_step
     from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
     rank = dist.get_rank()

@@ -24,7 +24,7 @@ def _rank(rank: int, port: int, metrics_port: int, sidecar: str, progress: str) 
     import torch.distributed as dist
 
     from fsdp_mem_otel.exporters.prometheus import PrometheusExporter
-    from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch, train_step
+    from fsdp_mem_otel.tools.demo import WrapOptions, build, make_batch, train_step
     from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
     torch.set_num_threads(1)

@@ -25,7 +25,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_mem_otel.training.demo import BlockModel
+from fsdp_mem_otel.tools.demo import BlockModel
 from tests.dist import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]

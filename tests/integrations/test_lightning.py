@@ -17,7 +17,7 @@ pytest.importorskip("lightning")
 
 import torch  # noqa: E402
 
-from fsdp_mem_otel.training.demo import BlockModel  # noqa: E402
+from fsdp_mem_otel.tools.demo import BlockModel  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 
 BLOCKS, WIDTH, MICRO_BATCH, ACCUMULATION, STEPS = 2, 32, 4, 2, 3

@@ -118,7 +118,7 @@ def lightning_example(directory: str, example: str) -> ExampleRun:
     import lightning.pytorch as pl
     import torch
 
-    from fsdp_mem_otel.training.demo import BlockModel
+    from fsdp_mem_otel.tools.demo import BlockModel
 
     _job_env(directory, "lightning")
     os.chdir(directory)  # Lightning's default logger and checkpoints go to the working directory

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from fsdp_mem_otel.training.demo import BlockModel
+from fsdp_mem_otel.tools.demo import BlockModel
 from tests.dist import run_ranks
 from tests.training.test_retention import StorageSpy
 

@@ -366,7 +366,7 @@ def train_for_report(path_template: str) -> int:
     import torch.distributed as dist
 
     from fsdp_mem_otel.exporters.jsonl import JSONLExporter
-    from fsdp_mem_otel.training.demo import Block, WrapOptions, build, make_batch, train_step
+    from fsdp_mem_otel.tools.demo import Block, WrapOptions, build, make_batch, train_step
     from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
     rank = dist.get_rank()

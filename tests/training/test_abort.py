@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fsdp_mem_otel.schema import TOTAL
-from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch, train_step
+from fsdp_mem_otel.tools.demo import WrapOptions, build, make_batch, train_step
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 from tests.dist import run_ranks
 from tests.oracles import BATCH, BLOCKS, WIDTH, block_param_bytes, reset_fsdp_iteration, settle
@@ -23,7 +23,7 @@ class OomRun:
 def oom_mid_step(opts_dict: dict[str, Any], where: str) -> OomRun:
     """Raise torch.OutOfMemoryError inside layers.1's forward or backward on step 2 (both ranks),
     recover as FSDP2 documents (reset_iter_state), and keep training under the tracker."""
-    from fsdp_mem_otel.training.demo import Block
+    from fsdp_mem_otel.tools.demo import Block
 
     rank = torch.distributed.get_rank()
     model, opt = build(BLOCKS, WIDTH, WrapOptions(**opts_dict))

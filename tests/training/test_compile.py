@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fsdp_mem_otel.schema import DEEP_SKIPPED_COMPILED, STATES
-from fsdp_mem_otel.training.demo import BlockModel, make_batch, train_step
+from fsdp_mem_otel.tools.demo import BlockModel, make_batch, train_step
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 from tests.dist import run_ranks
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def _cuda_model(blocks: int, width: int):  # type: ignore[no-untyped-def]
     from torch.distributed.fsdp import fully_shard
 
-    from fsdp_mem_otel.training.demo import BlockModel
+    from fsdp_mem_otel.tools.demo import BlockModel
 
     torch.manual_seed(0)
     model = BlockModel(blocks, width).cuda()
@@ -29,7 +29,7 @@ def _cuda_model(blocks: int, width: int):  # type: ignore[no-untyped-def]
 
 
 def test_deep_peak_matches_allocator_active_peak(one_rank_nccl) -> None:  # type: ignore[no-untyped-def]
-    from fsdp_mem_otel.training.demo import train_step
+    from fsdp_mem_otel.tools.demo import train_step
     from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
     model, opt = _cuda_model(4, 1024)
@@ -85,7 +85,7 @@ def test_real_allocator_oom_is_located(one_rank_nccl, where: str) -> None:  # ty
     """A real cudaMalloc failure inside layers.1's forward or backward: the report names the module,
     the state and what was live; its outside-PyTorch bytes are NVML's figure for this process minus
     what PyTorch reserves; training catches the OOM and goes on, the tracker healthy."""
-    from fsdp_mem_otel.training.demo import Block, train_step
+    from fsdp_mem_otel.tools.demo import Block, train_step
     from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
     from tests.oracles import reset_fsdp_iteration
 

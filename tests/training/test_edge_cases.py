@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fsdp_mem_otel.schema import StepReport
-from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch, train_step
+from fsdp_mem_otel.tools.demo import WrapOptions, build, make_batch, train_step
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 from tests.dist import run_ranks
 from tests.oracles import BATCH, BLOCKS, WIDTH
@@ -24,7 +24,7 @@ class OddNames(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        from fsdp_mem_otel.training.demo import Block
+        from fsdp_mem_otel.tools.demo import Block
 
         self.blocks = nn.ModuleDict({name: Block(WIDTH) for name in ODD_NAMES})
 
@@ -49,7 +49,7 @@ def edge_cases(fsdp: int) -> EdgeCaseResult:
     """step() with no forward, twice in a row, from another thread; odd module names."""
     import threading
 
-    from fsdp_mem_otel.training.demo import Block
+    from fsdp_mem_otel.tools.demo import Block
 
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)

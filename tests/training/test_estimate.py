@@ -27,8 +27,8 @@ import torch
 
 from fsdp_mem_otel.offline.compare import compare_runs
 from fsdp_mem_otel.schema import PEAK_BACKWARD, PEAK_FORWARD, TOTAL, StepReport
-from fsdp_mem_otel.training.demo import BlockModel
-from fsdp_mem_otel.training.estimate import FSDP1_UNSUPPORTED, EstimateConfig, estimate, scale
+from fsdp_mem_otel.tools.demo import BlockModel
+from fsdp_mem_otel.tools.estimate import FSDP1_UNSUPPORTED, EstimateConfig, estimate, scale
 from tests.dist import run_ranks
 from tests.estimate_models import VOCAB, Transformer
 
@@ -61,7 +61,7 @@ def real_runs(configs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_mem_otel.config import TrackerConfig
-    from fsdp_mem_otel.training.estimate import build, demo_loss, load_callable, train_step
+    from fsdp_mem_otel.tools.estimate import build, demo_loss, load_callable, train_step
     from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
     from tests.oracles import settle
 

@@ -1,4 +1,4 @@
-"""``fsdp-mem-otel estimate --fit CAPACITY`` and ``--compare-options`` (training/estimate_fit.py).
+"""``fsdp-mem-otel estimate --fit CAPACITY`` and ``--compare-options`` (tools/estimate_fit.py).
 
 The oracle of ``--fit`` is the tracker's deep-mode measurement of real 2-rank FSDP2 runs (gloo,
 CPU) of two adjacent batch sizes, B and B + 1, built and trained by test_estimate.py's rank body:
@@ -21,9 +21,10 @@ from typing import Any
 import pytest
 
 from fsdp_mem_otel.schema import CATEGORIES, TOTAL, StepReport
-from fsdp_mem_otel.training import estimate_fit
-from fsdp_mem_otel.training.estimate import EstimateConfig, estimate, estimate_main
-from fsdp_mem_otel.training.estimate_fit import (
+from fsdp_mem_otel.tools import estimate_fit
+from fsdp_mem_otel.tools.estimate import EstimateConfig, estimate
+from fsdp_mem_otel.tools.estimate_cli import estimate_main
+from fsdp_mem_otel.tools.estimate_fit import (
     FitError,
     OptionRow,
     compare_options,

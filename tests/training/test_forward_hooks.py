@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fsdp_mem_otel.schema import AFTER_POST_FORWARD, AFTER_PRE_FORWARD, BEFORE_POST_FORWARD, BEFORE_PRE_FORWARD
-from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch, train_step
+from fsdp_mem_otel.tools.demo import WrapOptions, build, make_batch, train_step
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 from tests.dist import run_ranks
 from tests.oracles import BATCH, BLOCKS, WIDTH, fsdp_fingerprint

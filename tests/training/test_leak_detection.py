@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from fsdp_mem_otel.config import TrackerConfig
-from fsdp_mem_otel.training.demo import BlockModel, WrapOptions, build, make_batch, train_step
+from fsdp_mem_otel.tools.demo import BlockModel, WrapOptions, build, make_batch, train_step
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 from tests.dist import run_ranks
 from tests.oracles import settle

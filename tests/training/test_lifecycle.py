@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch, train_step
+from fsdp_mem_otel.tools.demo import WrapOptions, build, make_batch, train_step
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 from tests.dist import run_ranks
 from tests.oracles import BATCH, BLOCKS, WIDTH, fsdp_fingerprint

@@ -105,7 +105,7 @@ class UserHooksRun:
 def users_saved_tensor_hooks() -> UserHooksRun:
     """The user's own saved-tensor hooks (offloading-style: pack copies) around each step: the
     tracker must chain to them, never shadow them."""
-    from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch
+    from fsdp_mem_otel.tools.demo import WrapOptions, build, make_batch
 
     rank = torch.distributed.get_rank()
     packs: dict[str, int] = {}
@@ -150,7 +150,7 @@ def test_users_saved_tensor_hooks_keep_running() -> None:
 def loss_outside_the_model() -> list[int]:
     """A loss computed after the model (as torchtitan does): its saved tensors are seen inside
     ``tracker.saved_activations()`` and not outside it."""
-    from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch
+    from fsdp_mem_otel.tools.demo import WrapOptions, build, make_batch
 
     rank = torch.distributed.get_rank()
     model, opt = build(2, 32, WrapOptions(fsdp=2))

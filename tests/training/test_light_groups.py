@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fsdp_mem_otel.schema import STATES
-from fsdp_mem_otel.training.demo import Block, BlockModel, make_batch
+from fsdp_mem_otel.tools.demo import Block, BlockModel, make_batch
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 from tests.dist import RANKS, run_ranks
 from tests.oracles import BATCH, BLOCKS, WIDTH, settle

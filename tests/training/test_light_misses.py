@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from fsdp_mem_otel.schema import CATEGORY_KEYS, TOTAL
+from fsdp_mem_otel.tools.demo import Block, BlockModel, make_batch
 from fsdp_mem_otel.training.adapters.fsdp2 import param_groups
-from fsdp_mem_otel.training.demo import Block, BlockModel, make_batch
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 from tests.dist import run_ranks
 from tests.oracles import (

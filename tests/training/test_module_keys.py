@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from fsdp_mem_otel.tools.demo import BlockModel
 from fsdp_mem_otel.training.adapters.base import module_keys
-from fsdp_mem_otel.training.demo import BlockModel
 
 
 def _user_keys() -> dict[str, str]:

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from fsdp_mem_otel.schema import CATEGORY_KEYS, TOTAL
-from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch, train_step
+from fsdp_mem_otel.tools.demo import WrapOptions, build, make_batch, train_step
 from tests.dist import run_ranks
 from tests.oracles import (
     BATCH,

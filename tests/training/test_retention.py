@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from fsdp_mem_otel.training.demo import Block, BlockModel, WrapOptions, build, make_batch, train_step
+from fsdp_mem_otel.tools.demo import Block, BlockModel, WrapOptions, build, make_batch, train_step
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 from tests.dist import run_ranks
 from tests.oracles import BATCH, BLOCKS, WIDTH

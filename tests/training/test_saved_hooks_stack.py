@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from fsdp_mem_otel.config import TrackerConfig
+from fsdp_mem_otel.tools.demo import WrapOptions, build, make_batch
 from fsdp_mem_otel.training.activations import SavedTensorAccounting
-from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 from tests.dist import run_ranks
 from tests.oracles import BATCH, BLOCKS, WIDTH
@@ -87,7 +87,7 @@ def detach_under_checkpoint(opts_dict: dict[str, Any]) -> StackResult:
     """The error limit (max_errors=1) reached while checkpointing's hooks are pushed above ours
     (an FSDP module inside a checkpointed block): the tracker detaches there and takes its hooks
     out from under checkpointing's, which stay until checkpointing pops them."""
-    from fsdp_mem_otel.training.demo import train_step
+    from fsdp_mem_otel.tools.demo import train_step
 
     rank = torch.distributed.get_rank()
     losses: dict[bool, list[float]] = {}

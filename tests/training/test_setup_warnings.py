@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from fsdp_mem_otel.exporters.prometheus import StepReportCollector
 from fsdp_mem_otel.identity import Identity
 from fsdp_mem_otel.schema import WARNING_NOTHING_SHARDED, WARNING_OPTIMIZER_NO_STATE, StepReport
-from fsdp_mem_otel.training.demo import BlockModel, make_batch, train_step
+from fsdp_mem_otel.tools.demo import BlockModel, make_batch, train_step
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 from tests.dist import run_ranks
 from tests.oracles import optimizer_state_bytes, sharded_param_bytes

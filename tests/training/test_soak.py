@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch, train_step
+from fsdp_mem_otel.tools.demo import WrapOptions, build, make_batch, train_step
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 from tests.dist import run_ranks
 

@@ -251,7 +251,7 @@ def reports_read_later(steps: int) -> list[str]:
     whose report differs."""
     import torch.distributed as dist
 
-    from fsdp_mem_otel.training.demo import WrapOptions, build, make_batch, train_step
+    from fsdp_mem_otel.tools.demo import WrapOptions, build, make_batch, train_step
     from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
     from tests.oracles import BATCH, BLOCKS, WIDTH
 

@@ -9,7 +9,7 @@ import statistics
 import sys
 import time
 
-from fsdp_mem_otel.training.demo import WrapOptions, build, init_distributed, make_batch, train_step
+from fsdp_mem_otel.tools.demo import WrapOptions, build, init_distributed, make_batch, train_step
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -6,7 +6,9 @@ that move nothing). Warm-up and measured training steps then run under the track
 which counts every fake tensor as if it were allocated, so the result is the StepReport that
 rank 0 of the real job would report for that step: the step peak and each FSDP module's forward
 and backward peaks, by category. ``estimate()`` returns it; the command writes it as JSONL for
-``fsdp-mem-otel compare ESTIMATE.jsonl RUN.jsonl`` and ``FSDP_MEM_OTEL_ESTIMATE`` and prints tables.
+``fsdp-mem-otel compare ESTIMATE.jsonl RUN.jsonl`` and ``FSDP_MEM_OTEL_ESTIMATE`` and prints tables
+(``estimate_parser()``, ``run_estimate()``; ``estimate_cli.estimate_main`` runs the command, with
+``estimate_fit``'s --fit and --compare-options: this module imports neither).
 
 What it cannot see (nor can the tracker on a real run): memory outside PyTorch's tensors, such
 as the CUDA context, NCCL's and cuBLAS's workspaces, and the caching allocator's own rounding
@@ -20,6 +22,7 @@ nothing on it.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import math
 import os
@@ -224,7 +227,7 @@ def build(config: EstimateConfig, mesh: Any) -> tuple[nn.Module, torch.optim.Opt
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     if config.model is None:
-        from fsdp_mem_otel.training.demo import BlockModel
+        from fsdp_mem_otel.tools.demo import BlockModel
 
         model = BlockModel(config.blocks, config.width)
     else:
@@ -409,8 +412,6 @@ def scale_table(rows: Sequence[ScaleRow]) -> str:
 
 def _ints(text: str) -> tuple[int, ...]:
     """'8,2048' -> (8, 2048), for argparse (the config checks the values)."""
-    import argparse
-
     try:
         return tuple(int(part) for part in text.replace("x", ",").split(","))
     except ValueError:
@@ -422,14 +423,10 @@ CANNOT_SEE = (
     "fragmentation; on CUDA, torch.cuda.memory_allocated() is what it predicts and memory_reserved() runs above it.")
 
 
-def estimate_main(argv: Sequence[str] | None = None) -> int:
-    """``fsdp-mem-otel estimate``: see the module docstring; ``--help`` lists the options."""
-    import argparse
-    import sys
-
+def estimate_parser() -> argparse.ArgumentParser:
+    """``fsdp-mem-otel estimate``'s parser with the estimate's own options; ``estimate_cli`` adds
+    those of ``estimate_fit`` (--fit, --compare-options) and runs the command."""
     from fsdp_mem_otel.checks import int_at_least
-    from fsdp_mem_otel.offline.table import module_table, peak_table
-    from fsdp_mem_otel.training.estimate_fit import add_fit_arguments, fit_mode_errors, run_fit_mode
 
     p = argparse.ArgumentParser(
         prog="fsdp-mem-otel estimate",
@@ -468,20 +465,29 @@ def estimate_main(argv: Sequence[str] | None = None) -> int:
                    help="write the estimate's StepReport for compare, report and FSDP_MEM_OTEL_ESTIMATE")
     p.add_argument("--world-sizes", type=_ints, default=None, metavar="N,...",
                    help="also estimate at these world sizes and print bytes per rank for each")
-    add_fit_arguments(p)  # --fit, --compare-options: estimate_fit.py
-    args = p.parse_args(argv)
-    if (wrong := fit_mode_errors(args)) is not None:
-        p.error(wrong)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> EstimateConfig:
+    """The EstimateConfig that ``estimate_parser()``'s options describe (ValueError/TypeError when
+    the config rejects them)."""
+    return EstimateConfig(
+        model=args.model, blocks=args.blocks, width=args.width, wrap=args.wrap, loss=args.loss,
+        batch_shape=args.batch_shape, input_dtype=args.input_dtype, world_size=args.world_size,
+        mesh=args.mesh, param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
+        reshard_after_forward=not args.no_reshard_after_forward,
+        activation_checkpointing=args.activation_checkpointing, optimizer=args.optimizer, lr=args.lr,
+        warmup_steps=args.warmup_steps, device=args.device)
+
+
+def run_estimate(args: argparse.Namespace, config: EstimateConfig) -> int:
+    """``fsdp-mem-otel estimate`` without --fit or --compare-options: estimate ``config`` (and at
+    each of --world-sizes), write --out, print the tables; returns 0, or 2 when it fails."""
+    import sys
+
+    from fsdp_mem_otel.offline.table import module_table, peak_table
+
     try:
-        config = EstimateConfig(
-            model=args.model, blocks=args.blocks, width=args.width, wrap=args.wrap, loss=args.loss,
-            batch_shape=args.batch_shape, input_dtype=args.input_dtype, world_size=args.world_size,
-            mesh=args.mesh, param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
-            reshard_after_forward=not args.no_reshard_after_forward,
-            activation_checkpointing=args.activation_checkpointing, optimizer=args.optimizer, lr=args.lr,
-            warmup_steps=args.warmup_steps, device=args.device)
-        if args.fit is not None or args.compare_options:
-            return run_fit_mode(args, config)
         print(f"estimating world size {config.world_size} ...", file=sys.stderr, flush=True)
         report = estimate(config)
         rows = []

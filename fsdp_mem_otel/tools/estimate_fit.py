@@ -34,7 +34,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from fsdp_mem_otel.schema import CATEGORIES, TOTAL, StepReport
-from fsdp_mem_otel.training.estimate import EstimateConfig, estimate
+from fsdp_mem_otel.tools.estimate import CANNOT_SEE, EstimateConfig, estimate, write_jsonl
 
 #: the dimensions ``fit`` can grow, and their axis in the input's shape
 FIT_DIMS = {"batch": 0, "seq": 1}
@@ -456,8 +456,6 @@ def _err(line: str) -> None:
 
 
 def _compare_main(args: argparse.Namespace, config: EstimateConfig) -> int:
-    from fsdp_mem_otel.training.estimate import CANNOT_SEE, write_jsonl
-
     rows = compare_options(config, progress=lambda label: _err(f"estimating {label} ..."))
     if args.out:
         write_jsonl(estimate(config), args.out)
@@ -476,7 +474,6 @@ def _compare_main(args: argparse.Namespace, config: EstimateConfig) -> int:
 
 def _fit_main(args: argparse.Namespace, config: EstimateConfig) -> int:
     from fsdp_mem_otel.offline.table import human_bytes
-    from fsdp_mem_otel.training.estimate import write_jsonl
 
     dim, capacity = args.fit_dim or "batch", args.fit
     margin = margin_bytes(args.fit_margin or DEFAULT_MARGIN, capacity)

@@ -178,7 +178,7 @@ def run_demo(argv: list[str] | None = None) -> int:
     from fsdp_mem_otel.offline.table import human_bytes, module_table, peak_table
     from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
-    p = argparse.ArgumentParser(prog="fsdp_mem_otel.training.demo")
+    p = argparse.ArgumentParser(prog="fsdp_mem_otel.tools.demo")
     add_demo_args(p)
     args = p.parse_args(argv)
     tracker_config, export_config = demo_configs(args)
