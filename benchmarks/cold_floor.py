@@ -120,7 +120,7 @@ def one_step(rec: StepRecorder, led: Ledger) -> None:
     activations make them, through the recorder and the ledger, and the module reports built (and
     dropped: kept over hundreds of calls, they would time the garbage collector)."""
     rec.reset()
-    on, add = rec.on_state, led._add
+    on, add = rec.on_state, led.add_at
     on("<root>", BEFORE_PRE_FORWARD)
     on("<root>", AFTER_PRE_FORWARD)
     for key in _BLOCKS:

@@ -48,7 +48,7 @@ import fsdp_mem_otel.training.ledger as ledger
 import fsdp_mem_otel.training.optimizers as optimizers
 import fsdp_mem_otel.training.sink as sink
 import fsdp_mem_otel.training.tracker as tracker_module
-from fsdp_mem_otel.training.demo import WrapOptions, build, init_distributed, make_batch, train_step
+from fsdp_mem_otel.tools.demo import WrapOptions, build, init_distributed, make_batch, train_step
 
 TIMES: collections.Counter[str] = collections.Counter()
 #: the entry timers' clock: wall time (``--clock wall``) or this thread's CPU time (``--clock cpu``)
@@ -91,9 +91,7 @@ NESTED_POINTS: dict[str, tuple[str, ...]] = {
                                                                 "before_post_backward", "after_post_backward",
                                                                 "reconcile"),
     "fsdp_mem_otel.training.leaks.LeakWatch": ("observe_later",),
-    "fsdp_mem_otel.training.adapters.fsdp2.FSDP2Adapter": ("reconcile", "light_state", "restore_light_state"),
-    "fsdp_mem_otel.training.step_script.StepScript": ("before_flush", "end_step", "forward_begins"),
-    "fsdp_mem_otel.training.replay_memo.ReplayMemo": ("reuse", "reuse_cut", "_put_back"),
+    "fsdp_mem_otel.training.adapters.fsdp2.FSDP2Adapter": ("reconcile",),
     "fsdp_mem_otel.training.recorder.StepRecorder ": ("reset",),
     "fsdp_mem_otel.training.recorder.StepReplay": ("keep",),
     "fsdp_mem_otel.training.sink.Sink": ("end_step",),
@@ -243,7 +241,7 @@ def stub_activation_entries() -> None:
         if type(t) is torch.Tensor and t.layout is torch.strided:
             st = t.untyped_storage()
             if id(st) not in self._entries:
-                self._ledger._add("cpu", act, st.nbytes())  # this benchmark runs on CPU
+                self._ledger.add_at("cpu", act, st.nbytes())  # this benchmark runs on CPU
         return t.detach()
 
     activations.SavedTensorAccounting._pack = pack  # type: ignore[method-assign]
@@ -342,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             p.error(f"--{name}: must be at least 1, got {getattr(args, name)}")
     # the tracker's warm-up and timed runs each get batches of their own, as a data loader gives
-    # them: a batch tracked again is no new input, and the step that meets it misses its script
+    # them: a batch tracked again is no new input
     # (until 2026-11-28 the timed run reused the warm-up's: one miss and two more steps learnt a round)
     model, opt, xs, train, label = build_model(args.model, args.blocks, args.width, args.batch, 2 * args.steps, rank)
     warm_xs, xs = xs[:args.steps], xs[args.steps:]

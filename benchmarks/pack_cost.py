@@ -8,7 +8,7 @@ Times, per call and as the minimum over ``--repeat`` loops of ``--n`` calls: the
 (``SavedTensorAccounting._pack``) on a non-leaf tensor whose storage is new to the ledger and on one
 it knows already, the unpack hook, and the torch calls a pack makes (``detach()``,
 ``untyped_storage()``, ``_version`` with ``is_leaf``) and a new storage's entry
-(``Ledger._new_entry``). Run it with ``PYTHONPATH`` set to another version of the package to compare.
+(``Ledger.new_entry``). Run it with ``PYTHONPATH`` set to another version of the package to compare.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def main() -> None:
 
     def entries_all(sts: list[Any]) -> None:
         for st in sts:
-            ledger._new_entry(st, act, None, "layers.0")
+            ledger.new_entry(st, act, None, "layers.0")
 
     rows = [
         ("pack, a new storage", best_ns(pack_all, non_leaves, args.repeat)),

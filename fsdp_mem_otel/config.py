@@ -37,7 +37,6 @@ _ENV_FIELDS = {
     env.FSDP_MEM_OTEL_ENABLED: "enabled",
     env.FSDP_MEM_OTEL_RESET_PEAKS: "reset_peaks",
     env.FSDP_MEM_OTEL_ACTIVATIONS: "activations",
-    env.FSDP_MEM_OTEL_REPLAY_STEPS: "replay_steps",
     env.FSDP_MEM_OTEL_DEEP_WHEN_COMPILED: "deep_when_compiled",
     env.FSDP_MEM_OTEL_LEAK_WINDOW: "leak_window",
 }
@@ -83,11 +82,6 @@ class TrackerConfig:
         activations: light mode accounts the tensors autograd saves for backward during FSDP
             forwards as ``activation`` (saved-tensor hooks; see activations.py). Turn off for
             models that call ``torch.func`` transforms inside an FSDP module's forward.
-        replay_steps: light mode runs its saved-tensor hooks and FSDP2's group accounts on the
-            steps that learn them and replays what they logged on the steps that repeat those
-            (the same inputs' shapes, the same module states and tracked storages; checked every
-            16th step; step_script.py): that work costs nothing there. False: every step learns.
-            A step that did not fit what it replayed is counted (``StepReport.replay_misses``).
         deep_when_compiled: a deep step on a model with ``torch.compile``'d regions: "skip"
             (default: the step stays light, compiled code keeps running compiled, and the report
             says why) or "eager" (the step runs with compilation switched off, so deep mode sees
@@ -103,7 +97,6 @@ class TrackerConfig:
     enabled: bool = True
     reset_peaks: bool = False
     activations: bool = True
-    replay_steps: bool = True
     deep_when_compiled: str = "skip"
     leak_window: int = 30
 
@@ -117,7 +110,7 @@ class TrackerConfig:
         check_int("deep_every", self.deep_every)
         check_int("max_errors", self.max_errors)
         check_int("leak_window", self.leak_window, 10)
-        for name in ("enabled", "reset_peaks", "activations", "replay_steps"):
+        for name in ("enabled", "reset_peaks", "activations"):
             check_bool(name, getattr(self, name))
 
     def is_deep(self, step: int) -> bool:

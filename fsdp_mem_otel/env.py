@@ -21,9 +21,6 @@ FSDP_MEM_OTEL_RESET_PEAKS = "FSDP_MEM_OTEL_RESET_PEAKS"
 """``1``: reset the CUDA allocator's peak counters at every step end (default: never touched)."""
 FSDP_MEM_OTEL_ACTIVATIONS = "FSDP_MEM_OTEL_ACTIVATIONS"
 """``0``: light mode does not account saved activations (saved-tensor hooks off)."""
-FSDP_MEM_OTEL_REPLAY_STEPS = "FSDP_MEM_OTEL_REPLAY_STEPS"
-"""``0``: light mode runs its saved-tensor hooks and FSDP2's group accounts on every step instead
-of replaying what the steps that learnt them logged on the steps that repeat them (default: replay)."""
 FSDP_MEM_OTEL_DEEP_WHEN_COMPILED = "FSDP_MEM_OTEL_DEEP_WHEN_COMPILED"
 """``skip`` (default) or ``eager``: what a deep step does on a model with compiled regions."""
 

@@ -374,10 +374,6 @@ class StepReport:
     #: FSDP groups light mode accounts per tensor because their own events cannot tell their
     #: buffers' bytes (see adapters/fsdp2_groups.py); 0 on every configuration tested
     fallback_groups: int = 0
-    #: light mode's steps since attach whose replayed saved activations did not fit the step, or
-    #: were found changed by a later check (see training/step_script.py); 0 on every
-    #: configuration tested
-    replay_misses: int = 0
     #: None, or what stayed alive at the step's end and what keeps growing (see LeakReport); a
     #: factory (``NoneType()`` is None), not a default, leaves no class attribute: the tracker fills
     #: it later (``fill_later``)
@@ -413,7 +409,6 @@ class StepReport:
             "deep_skipped": self.deep_skipped,
             "warnings": list(self.warnings),
             "fallback_groups": self.fallback_groups,
-            "replay_misses": self.replay_misses,
             "leak": None if self.leak is None else self.leak.to_dict(),
             **({} if self.modules_from is None else {"modules_from": self.modules_from}),
         }
@@ -513,7 +508,6 @@ class StepReport:
             deep_skipped=None if data.get("deep_skipped") is None else str(data["deep_skipped"]),
             warnings=[str(w) for w in data.get("warnings", [])],
             fallback_groups=int(data.get("fallback_groups", 0)),
-            replay_misses=int(data.get("replay_misses", 0)),
             leak=None if data.get("leak") is None else LeakReport.from_dict(data["leak"]),
             modules_from=None if data.get("modules_from") is None else int(data["modules_from"]),
         )

@@ -274,7 +274,6 @@ class StepReportCollector:
         if report is not None:
             add(cat.SETUP_WARNING, [((kind,), float(kind in report.warnings)) for kind in WARNINGS])
             add(cat.LIGHT_FALLBACK_GROUPS, [((), float(report.fallback_groups))])
-            add(cat.LIGHT_REPLAY_MISSES, [((), float(report.replay_misses))])
             if report.leak is not None:  # only while something grows or is held: a bounded few series
                 fastest = sorted(report.leak.growing.items(), key=lambda kv: -kv[1])[:cat.LEAK_SERIES]
                 add(cat.LEAK_GROWTH, [((c,), float(v)) for c, v in fastest])

@@ -298,13 +298,6 @@ LIGHT_FALLBACK_GROUPS = Metric(
     "(a parameter with a gradient in some steps only, all-gather extensions); 0 on every tested configuration.",
     source="fallback_groups",
 )
-LIGHT_REPLAY_MISSES = Metric(
-    "fsdp_mem_light_replay_misses", GAUGE, "",
-    "Light mode's steps since attach that replayed what earlier steps learnt (saved activations, FSDP2 group "
-    "accounts) and did not fit it, or whose script a later check found changed (those steps' figures are off); 0 on "
-    "every tested configuration.",
-    source="replay_misses",
-)
 #: leak series per rank, each kind: the fastest-growing categories, the largest holders
 LEAK_SERIES = 3
 LEAK_GROWTH = Metric(
@@ -418,7 +411,6 @@ METRICS: tuple[Metric, ...] = (
     DEEP_STEPS_SKIPPED_TOTAL,
     SETUP_WARNING,
     LIGHT_FALLBACK_GROUPS,
-    LIGHT_REPLAY_MISSES,
     LEAK_GROWTH,
     STEP_END_HELD_BYTES,
     LAST_OOM_TIMESTAMP_SECONDS,

@@ -8,9 +8,7 @@ gradients keep their own category) and hands autograd a detached alias with the 
 unpack gives it back after autograd's own version check (which saved-tensor hooks turn off: an
 in-place change of a saved tensor raises as it does untracked).
 The storage's bytes leave the ledger when it is freed, i.e. when backward releases it. There is
-no per-op interception: the hooks run once per saved tensor. What the forward's hooks see counts
-under ``SCRIPTED`` (the activation category, told apart in the ledger's log), so that the steps
-that repeat a learnt one can replay it without the hooks (``step_script.py``).
+no per-op interception: the hooks run once per saved tensor, on every step.
 
 Composition:
 - Hooks pushed by the user before the forward (``save_on_cpu``, custom offloading) would be
@@ -38,7 +36,7 @@ from typing import Any
 import torch
 
 from fsdp_mem_otel.schema import ACTIVATION
-from fsdp_mem_otel.training.ledger import INDEX, SCRIPTED, Ledger
+from fsdp_mem_otel.training.ledger import INDEX, Ledger
 
 _STRIDED = torch.strided
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
@@ -87,16 +85,13 @@ def _remove_hooks(pack: Callable[[torch.Tensor], Any]) -> None:
 
 
 class SavedTensorAccounting:
-    """Pushes accounting saved-tensor hooks for one forward at a time; never raises.
-
-    ``scripted``: what it sees counts under ``SCRIPTED`` (a step's saved activations, which later
-    steps may replay: ``step_script.py``), else as plain ``activation``."""
+    """Pushes accounting saved-tensor hooks for one forward at a time; never raises."""
 
     def __init__(self, ledger: Ledger, on_error: Callable[[BaseException], None],
-                 owners: list[str] | None = None, scripted: bool = True) -> None:
+                 owners: list[str] | None = None) -> None:
         self._ledger = ledger
-        self._cat = SCRIPTED if scripted else INDEX[ACTIVATION]
-        self._entries = ledger._entries
+        self._cat = INDEX[ACTIVATION]
+        self._entries = ledger.entries
         self._on_error = on_error
         #: the FSDP modules whose forward runs, innermost last: a saved tensor is the innermost's
         self._owners = owners if owners is not None else []
@@ -151,7 +146,7 @@ class SavedTensorAccounting:
                     st = t.untyped_storage()
                     if id(st) not in self._entries:
                         owners = self._owners
-                        self._ledger._new_entry(st, self._cat, None, owners[-1] if owners else None)
+                        self._ledger.new_entry(st, self._cat, None, owners[-1] if owners else None)
                 else:
                     self._ledger.track_new_at(t, self._cat, self._owners[-1] if self._owners else None)
             except Exception as exc:  # noqa: BLE001 - accounting must never break autograd

@@ -1,7 +1,7 @@
 """Counters of bytes per device and category, with per-step and per-window peaks.
 
 The arithmetic half of the ledger (``ledger.Ledger`` adds the tracked storages): every change of
-bytes goes through ``_add``, O(1): it touches one device's counters, the step window and the
+bytes goes through ``add_at``, O(1): it touches one device's counters, the step window and the
 innermost open window. Windows nest (a module's forward inside its parent's); closing one folds
 its peak into the enclosing window, which is how per-module peaks stay O(1) per update however
 many modules exist.
@@ -20,9 +20,7 @@ place each update touched counters, window peaks and sets that training's data h
 the CPU caches; replayed together they stay warm. Every reading method flushes first, so a reader
 sees what an immediate ledger would have shown. The recorder's events take no snapshot in this
 replay: it hands each replayed part of the log on (``retain``), and the step's
-``recorder.StepReplay`` replays it again for the module snapshots when a report is read. A
-step that logs what an earlier one did, from the same counters or counters apart by a constant,
-is not replayed again: the ``memo`` (``replay_memo.ReplayMemo``) puts back what that replay left.
+``recorder.StepReplay`` replays it again for the module snapshots when a report is read.
 Knows no torch.
 """
 
@@ -30,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from fsdp_mem_otel.schema import CATEGORY_KEYS, DeviceBreakdown, breakdown_of
 
@@ -38,11 +36,6 @@ from fsdp_mem_otel.schema import CATEGORY_KEYS, DeviceBreakdown, breakdown_of
 INDEX: dict[str, int] = {c: i for i, c in enumerate(CATEGORY_KEYS)}
 _N = len(CATEGORY_KEYS)
 _T = INDEX["total"]
-#: the category index of light mode's saved activations, which a step may replay instead of
-#: seeing (``step_script.StepScript``): the activation slot counted from the end, so that every
-#: counter list adds it to ``activation`` as it stands, and a log tells it apart (< 0); any
-#: category ``c`` has its scripted twin ``c - _N`` so
-SCRIPTED = INDEX["activation"] - _N
 
 #: device -> counters (a list indexed like CATEGORY_KEYS): the live counters, ``raw()``
 RawBreakdown = dict[str, list[int]]
@@ -68,6 +61,17 @@ def totals_of(snap: Snap) -> dict[str, int]:
     for i in range(0, len(snap), 2):  # a loop, not a comprehension: no frame of its own (3.11)
         out[snap[i]] = snap[i + 1][_T]
     return out
+
+
+class WindowWatch(Protocol):
+    """Told of every window edge, in time (``allocator_temps.AllocatorTemps`` reads the CUDA
+    allocator there); it may adjust each window's peak and the step's."""
+
+    def opened(self, current: RawBreakdown) -> None: ...
+
+    def closed(self, index: int, snap: Snap) -> Snap: ...
+
+    def step_peak(self, peak: DeviceBreakdown) -> DeviceBreakdown: ...
 
 
 def _hand_on(keep: Callable[[list[Any]], None], part: list[Any], failures: list[Exception]) -> None:
@@ -148,7 +152,7 @@ class Counters:
         # Light mode: every growth is a peak candidate. Deep mode turns this off and offers once
         # per op (offer_current), the instants upstream MemTracker evaluates, so both agree.
         self.offer_on_add = True
-        self.window_watch: Any = None  # told of window edges (allocator_temps.AllocatorTemps) or None
+        self.window_watch: WindowWatch | None = None  # told of window edges, or None
         #: deferred mode: changes and recorder events waiting for ``flush``, flat (see ``flush``), else None
         self.pending: list[Any] | None = None
         self._replaying = False
@@ -158,17 +162,14 @@ class Counters:
         self.on_replay_error: Callable[[BaseException], None] | None = None
         #: where each replay hands what it replayed (``retain``), or None
         self._retained: Callable[[list[Any]], None] | None = None
-        #: reuses a step's replay where a step logs the same (``replay_memo.ReplayMemo``), or None
-        self.memo: Any = None
 
     def defer(self, on: bool) -> None:
         """Queue changes until they are read (``on``) or apply them at once; never while a
         ``window_watch`` reads the allocator at each window edge (that must happen in time)."""
         self.flush()
         self.pending = [] if on and self.window_watch is None else None
-        self._outside_replay()
 
-    def watch_windows(self, watch: Any) -> None:
+    def watch_windows(self, watch: WindowWatch | None) -> None:
         """Tell ``watch`` (or None) of every window edge; a watch turns deferral off."""
         self.flush()
         self.window_watch = watch
@@ -181,8 +182,7 @@ class Counters:
         self._retained = keep
 
     def flush(self) -> None:
-        """Replay the pending changes and events in order (a no-op when there are none), or let
-        the memo put back what the same log left last time.
+        """Replay the pending changes and events in order (a no-op when there are none).
 
         The log is one flat list of names, numbers and bound methods, which the cyclic collector
         does not count (a tuple per entry brought collections, and promotions): an add is
@@ -193,15 +193,10 @@ class Counters:
         pending = self.pending
         if not pending or self._replaying:
             return
-        memo = self.memo
-        if memo is not None and memo.reuse(pending) and not pending:
-            return  # put back; what was queued meanwhile is replayed below
         self._replaying = True
         started = time.perf_counter()
         cur, step, windows, offer = self._cur, self._step, self._windows, self.offer_on_add
         failures: list[Exception] = []
-        events: list[int] = []  # where each event starts (the memo reads them)
-        done = False
         i = 0
         try:
             # One list, consumed from the front: a change queued meanwhile (a free on another
@@ -210,7 +205,7 @@ class Counters:
                 head = pending[i]
                 at = i
                 try:
-                    if head.__class__ is str:  # a change: ``_apply``, written out (~400 a step)
+                    if head.__class__ is str:  # a change: ``apply``, written out (~400 a step)
                         cat, delta = pending[i + 1], pending[i + 2]
                         i += 3  # first: a change that fails is skipped alone
                         cats = cur.get(head)
@@ -235,21 +230,17 @@ class Counters:
                     else:
                         n = pending[i + 1]
                         i += 2 + n
-                        events.append(at)
                         head(*pending[i - n:i])
                 except Exception as exc:  # noqa: BLE001 - replay the rest
                     failures.append(exc)
                     if i == at:  # not an entry's head: where the next one starts is unknown
                         i = len(pending)
-            done = True
         finally:
             part = pending[:i]
             del pending[:i]
             self._replaying = False
             if self._retained is not None and i:
                 _hand_on(self._retained, part, failures)
-            if memo is not None and i:
-                memo.learned(part, events, bool(failures) or not done)
             self.replay_seconds += time.perf_counter() - started
         if failures:
             if self.on_replay_error is None:
@@ -265,15 +256,29 @@ class Counters:
         else:
             pending.extend((event, len(args), *args))
 
+    @property
+    def flushing(self) -> bool:
+        """Whether ``flush`` is running now (what it runs sees the counters as they stand)."""
+        return self._replaying
+
+    def start_from(self, counters: RawBreakdown) -> None:
+        """Set the live counters to ``counters`` and start a step there (a step's snapshots
+        replayed when read, from the counters it began with)."""
+        self._cur = {d: c[:] for d, c in counters.items()}
+        self.reset_step()
+
     # -- changes -------------------------------------------------------------------------------
-    def _add(self, device: str, cat: int, delta: int) -> None:
+    def add_at(self, device: str, cat: int, delta: int) -> None:
+        """Add ``delta`` bytes to category index ``cat`` (``INDEX``) on ``device``: at once, or
+        queued where the counters defer."""
         pending = self.pending
         if pending is not None:
             pending.extend((device, cat, delta))  # the tuple goes at once: the collector never counts it
         else:
-            self._apply(device, cat, delta)
+            self.apply(device, cat, delta)
 
-    def _apply(self, device: str, cat: int, delta: int) -> None:
+    def apply(self, device: str, cat: int, delta: int) -> None:
+        """``add_at`` at once, deferring or not (what a replay of the log does with a change)."""
         # Every immediate update: written out, no helper calls unless a window is live. ``flush``
         # has the same lines inline for the ~400 replayed a step: change both together.
         cats = self._cur.get(device)
@@ -301,7 +306,6 @@ class Counters:
     def offer_current(self) -> None:
         """Make the current counters a peak candidate for the step and the innermost window."""
         self.flush()
-        self._outside_replay()
         inner = self._windows[-1] if self._windows else None
         for device, cats in self._cur.items():
             self._step.offer(device, cats[_T])
@@ -314,7 +318,6 @@ class Counters:
         largest totals alone (``close_window_total``), no counters."""
         if self.pending is not None and not self._replaying:  # deferring, and not the replay's own
             self.flush()
-            self._outside_replay()
         if self._windows:
             self._windows[-1].settle(self._cur)  # it stops receiving offers now
         if self.window_watch is not None:
@@ -369,7 +372,6 @@ class Counters:
         # have seen into it, and it into the enclosing one; None when no window is open.
         if self.pending is not None and not self._replaying:  # deferring, and not the replay's own
             self.flush()
-            self._outside_replay()
         windows = self._windows
         if not windows:
             return None
@@ -432,9 +434,3 @@ class Counters:
         self.flush()
         self._step = _Window(self._cur)
         self._windows.clear()
-        if self.memo is not None:
-            self.memo.new_step()
-
-    def _outside_replay(self) -> None:  # the windows change outside a replay: nothing for the memo
-        if self.memo is not None:
-            self.memo.skip_step()

@@ -27,12 +27,12 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp_mem_otel import env
 from fsdp_mem_otel.schema import DeviceBreakdown, breakdown_of
-from fsdp_mem_otel.training.counters import INDEX, SCRIPTED, Counters, RawBreakdown, Snap, snap_of
+from fsdp_mem_otel.training.counters import INDEX, Counters, RawBreakdown, Snap, snap_of
 
 # The CUDA caching allocator rounds every block up to 512 bytes (same rule as upstream MemTracker).
 _CUDA_MIN_BLOCK = 512 if os.environ.get(env.PYTORCH_NO_CUDA_MEMORY_CACHING, "0") == "0" else 1
 
-__all__ = ["INDEX", "SCRIPTED", "Ledger", "RawBreakdown", "as_breakdown", "device_block", "rounded", "storages_of"]
+__all__ = ["INDEX", "Ledger", "RawBreakdown", "as_breakdown", "device_block", "rounded", "storages_of"]
 
 
 def storages_of(t: torch.Tensor, fake_mode: Any = None) -> list[torch.UntypedStorage]:
@@ -78,19 +78,16 @@ class Ledger(Counters):
     """Live bytes per device and category (``Counters``), from tracked storages and integer accounts."""
 
     def __init__(self) -> None:
-        # id(storage) -> its entry, a weak reference whose callback drops it (``_Entry``)
-        self._entries: dict[int, _Entry] = {}
+        #: id(storage) -> its entry, a weak reference whose callback drops it (``_Entry``); the
+        #: ledger alone writes it (saved-tensor accounting reads it on its hot path)
+        self.entries: dict[int, _Entry] = {}
         #: FSDP module -> bytes of the storages it owns (``track_new(..., owner=)``) alive now
         self.owner_bytes: dict[str, int] = {}
-        #: entries alive under ``SCRIPTED``; what sees each part of the log before its replay, and
-        #: each step begin (``step_script.StepScript``), or None
-        self.scripted_entries = 0
-        self.script: Any = None
         super().__init__()
         #: bytes of tracked storages freed since, per category (read without replaying the log)
         self.freed = [0] * len(INDEX)
         self._devices: dict[torch.device, tuple[str, int]] = {}  # device -> (name, block)
-        self._on_free = _free_callback(self._entries, weakref.ref(self))
+        self._on_free = _free_callback(self.entries, weakref.ref(self))
         # count_fake(): an estimate's fake tensors count as memory on this device
         self.fake_mode: Any = None
         self._fake_device: torch.device | None = None
@@ -102,31 +99,12 @@ class Ledger(Counters):
         self.fake_mode, self._fake_device = fake_mode, device
         self._devices.clear()  # meta storages count on ``device`` from now on
 
-    def flush(self) -> None:
-        """``Counters.flush``, the step script seeing each part of the log first: where it finds
-        a cut of its script there, the replay memo puts back what that leaves, or the script's
-        entries go into the log (``StepScript.splice``) and are replayed."""
-        script, pending = self.script, self.pending
-        if script is not None and pending and not self._replaying:
-            script.before_flush(pending)
-            if script.unspliced is not None:
-                memo = self.memo
-                if memo is None or not memo.reuse_cut(pending, *script.unspliced):
-                    script.splice(pending)
-                script.unspliced = None
-        super().flush()
-
-    def reset_step(self) -> None:
-        super().reset_step()
-        if self.script is not None:
-            self.script.new_step()
-
     # -- integer accounts ----------------------------------------------------------------------
     def add(self, device: str, category: str, delta: int) -> None:
         """Add ``delta`` bytes (negative: subtract) to ``category`` on ``device`` directly, for
         buffers whose lifetime the caller knows (no storage is tracked)."""
         if delta:
-            self._add(device, INDEX[category], delta)
+            self.add_at(device, INDEX[category], delta)
 
     # -- tracked storages ----------------------------------------------------------------------
     def track(self, t: torch.Tensor, category: str, recategorize: bool = True) -> None:
@@ -155,52 +133,39 @@ class Ledger(Counters):
         self.track_new_at(t, INDEX[category], owner)
 
     def track_new_at(self, t: torch.Tensor, cat: int, owner: str | None = None) -> None:
-        """``track_new`` by category index (``INDEX``, or ``SCRIPTED``)."""
+        """``track_new`` by category index (``INDEX``)."""
         cls = type(t)
         if (cls is torch.Tensor or cls is nn.Parameter) and t.layout is torch.strided:
             st = t.untyped_storage()
-            if id(st) not in self._entries:
-                self._new_entry(st, cat, None, owner)
+            if id(st) not in self.entries:
+                self.new_entry(st, cat, None, owner)
             return
         for st in storages_of(t, self.fake_mode):
-            if id(st) not in self._entries:
-                self._new_entry(st, cat, None, owner)
-
-    def take_over(self, t: torch.Tensor, cat: int, owner: str) -> None:
-        """``track_new_at(t, cat, owner)``, and a storage known as ``SCRIPTED`` moves to ``cat``
-        and ``owner`` (the outermost module's inputs and outputs, which outlive the step)."""
-        for st in storages_of(t, self.fake_mode):
-            entry = self._entries.get(id(st))
-            if entry is None:
-                self._new_entry(st, cat, None, owner)
-            elif entry.cat == SCRIPTED:
-                self._relabel(entry, cat)
-                entry.owner = owner
-                if entry.nbytes:
-                    self.owner_bytes[owner] = self.owner_bytes.get(owner, 0) + entry.nbytes
+            if id(st) not in self.entries:
+                self.new_entry(st, cat, None, owner)
 
     def knows(self, st: torch.UntypedStorage) -> bool:
         """Whether ``st`` has an entry (tracked, or ``hold``-ed at 0 bytes)."""
-        return id(st) in self._entries
+        return id(st) in self.entries
 
     def hold(self, st: torch.UntypedStorage, category: str) -> None:
         """Give ``st`` an entry of 0 bytes under ``category`` unless it has one: a storage whose
         bytes an integer account carries, so that saved-tensor accounting knows it and passes."""
-        if id(st) not in self._entries:
-            self._new_entry(st, INDEX[category], 0)
+        if id(st) not in self.entries:
+            self.new_entry(st, INDEX[category], 0)
 
     def forget(self, st: torch.UntypedStorage) -> None:
         """Set a known storage's bytes to 0, keeping the entry (its bytes move to an integer
         account, e.g. when deep mode hands back to light mode)."""
-        entry = self._entries.get(id(st))
+        entry = self.entries.get(id(st))
         if entry is not None and entry.nbytes:
             self._resize(entry, 0)
 
     def track_storage(self, st: torch.UntypedStorage, category: str, recategorize: bool) -> None:
-        entry = self._entries.get(id(st))
+        entry = self.entries.get(id(st))
         cat = INDEX[category]
         if entry is None:
-            self._new_entry(st, cat)
+            self.new_entry(st, cat)
             return
         n = rounded(st.nbytes(), entry.block)
         if n != entry.nbytes:
@@ -210,7 +175,7 @@ class Ledger(Counters):
 
     def track_storages(self, storages: list[torch.UntypedStorage], category: str) -> None:
         """``track_storage(st, category, True)`` for each storage (an FSDP group's buffers)."""
-        entries = self._entries
+        entries = self.entries
         cat = INDEX[category]
         if all((e := entries.get(id(st))) is not None and e.cat == cat for st in storages):
             self.refresh_storages(storages)  # all known under this category: sizes only
@@ -218,9 +183,11 @@ class Ledger(Counters):
         for st in storages:
             self.track_storage(st, category, True)
 
-    def _new_entry(self, st: torch.UntypedStorage, cat: int, nbytes: int | None = None,
-                   owner: str | None = None) -> None:
-        # The hot path of every saved activation: helpers written out.
+    def new_entry(self, st: torch.UntypedStorage, cat: int, nbytes: int | None = None,
+                  owner: str | None = None) -> None:
+        """Track ``st``, not known yet, under category index ``cat``: its bytes (``nbytes``, or
+        its size as the allocator rounds it), owned by FSDP module ``owner`` if given. The hot
+        path of every saved activation: its helpers are written out."""
         dev = st.device
         known = self._devices.get(dev)
         if known is None:
@@ -234,23 +201,21 @@ class Ledger(Counters):
                 n = -(-n // block) * block  # ``rounded``
         else:
             n = nbytes
-        entry = self._entries[key] = _Entry(st, self._on_free)
+        entry = self.entries[key] = _Entry(st, self._on_free)
         entry.key, entry.device, entry.cat, entry.nbytes, entry.block, entry.owner = key, name, cat, n, block, owner
-        if cat < 0:
-            self.scripted_entries += 1
         if n:
             pending = self.pending
             if pending is not None:
-                pending.extend((name, cat, n))  # ``_add``
+                pending.extend((name, cat, n))  # ``add_at``
             else:
-                self._add(name, cat, n)
+                self.add_at(name, cat, n)
             if owner is not None:
                 self.owner_bytes[owner] = self.owner_bytes.get(owner, 0) + n
 
     def _resize(self, entry: _Entry, n: int) -> None:
         """An entry's storage now has ``n`` bytes."""
         delta = n - entry.nbytes
-        self._add(entry.device, entry.cat, delta)
+        self.add_at(entry.device, entry.cat, delta)
         entry.nbytes = n
         if entry.owner is not None:
             self.owner_bytes[entry.owner] += delta
@@ -260,10 +225,8 @@ class Ledger(Counters):
         # total dips and comes back, so the peaks it still is are kept first and none is made.
         n = entry.nbytes
         if n:
-            self._add(entry.device, entry.cat, -n)
-            self._add(entry.device, cat, n)
-        if entry.cat < 0:
-            self.scripted_entries -= 1
+            self.add_at(entry.device, entry.cat, -n)
+            self.add_at(entry.device, cat, n)
         entry.cat = cat
         if entry.owner is not None:  # named by FSDP, the optimizer, the inputs: no module's anymore
             self.owner_bytes[entry.owner] -= entry.nbytes
@@ -278,7 +241,7 @@ class Ledger(Counters):
         """
         guessed = {INDEX[g] for g in guesses}
         for st in storages_of(t, self.fake_mode):
-            entry = self._entries.get(id(st))
+            entry = self.entries.get(id(st))
             self.track_storage(st, category, recategorize=entry is None or entry.cat in guessed)
 
     def refresh(self, t: torch.Tensor) -> None:
@@ -288,7 +251,7 @@ class Ledger(Counters):
 
     def refresh_storage(self, st: torch.UntypedStorage) -> None:
         """Re-read one storage's size (deep mode's resize_ watch calls this)."""
-        entry = self._entries.get(id(st))
+        entry = self.entries.get(id(st))
         if entry is not None:
             n = rounded(st.nbytes(), entry.block)
             if n != entry.nbytes:
@@ -297,7 +260,7 @@ class Ledger(Counters):
     def refresh_storages(self, storages: list[torch.UntypedStorage]) -> None:
         """``refresh_storage`` for each storage (an FSDP group's buffers after a reshard); the
         bytes change once per device and category, as FSDP resizes them all together."""
-        entries = self._entries
+        entries = self.entries
         deltas: dict[tuple[str, int], int] = {}
         for st in storages:
             entry = entries.get(id(st))
@@ -311,7 +274,7 @@ class Ledger(Counters):
                     entry.nbytes = n
         for (device, cat), delta in deltas.items():
             if delta:
-                self._add(device, cat, delta)
+                self.add_at(device, cat, delta)
 
 
     # -- reading --------------------------------------------------------------------------------
@@ -328,7 +291,7 @@ class Ledger(Counters):
 
     # -- introspection -------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.entries)
 
 
 class _Entry(weakref.ref):  # type: ignore[type-arg]
@@ -342,7 +305,7 @@ class _Entry(weakref.ref):  # type: ignore[type-arg]
     __slots__ = ("block", "cat", "device", "key", "nbytes", "owner")
     key: int  # id() of the storage
     device: str  # the device's name
-    cat: int  # category index (``INDEX``, or ``SCRIPTED``)
+    cat: int  # category index (``INDEX``)
     nbytes: int  # as counted (rounded to the allocator's block)
     block: int  # the allocator's rounding: 512 on CUDA (with caching), else 1
     owner: str | None  # the FSDP module whose saved tensors, inputs or outputs these are
@@ -362,15 +325,13 @@ def _free_callback(entries: dict[int, _Entry], ledger_ref: weakref.ref[Ledger]) 
         del entries[key]
         n = ref.nbytes
         ledger = ledger_ref()
-        if ledger is not None and ref.cat < 0:
-            ledger.scripted_entries -= 1
         if ledger is not None and n:
             ledger.freed[ref.cat] += n
             pending = ledger.pending
             if pending is not None:
-                pending.extend((ref.device, ref.cat, -n))  # ``_add``, written out: ~100 frees a step
+                pending.extend((ref.device, ref.cat, -n))  # ``add_at``, written out: ~100 frees a step
             else:
-                ledger._add(ref.device, ref.cat, -n)
+                ledger.add_at(ref.device, ref.cat, -n)
             if ref.owner is not None:
                 ledger.owner_bytes[ref.owner] -= n
 

@@ -45,7 +45,6 @@ from fsdp_mem_otel.schema import (
     largest_total,
 )
 from fsdp_mem_otel.training.counters import INDEX, Counters, RawBreakdown, Snap
-from fsdp_mem_otel.training.replay_memo import ReplayMemo
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +134,7 @@ class StepReplay:
         self._lock = threading.Lock()
 
     def keep(self, part: Any) -> None:
-        """A replayed part of the step's log, in order: a list, or a sized callable that builds
-        it (``step_script.SplicedLog``)."""
+        """A replayed part of the step's log, in order: a list, or a sized callable that builds it."""
         with self._lock:
             self._parts.append(part)
             self._waiting += len(part)
@@ -151,10 +149,9 @@ class StepReplay:
             recorder = self._recorder
             if recorder is None:
                 counters = Counters()
-                counters._cur.update(self._start)
-                counters.reset_step()
+                counters.start_from(self._start)
                 recorder = self._recorder = StepRecorder(counters, StepContext())
-            apply = recorder.ledger._apply
+            apply = recorder.ledger.apply
             for part in parts:
                 if part.__class__ is not list:
                     part = part()
@@ -184,16 +181,12 @@ class StepRecorder:
     def __init__(self, ledger: Counters, context: StepContext | None = None) -> None:
         self.ledger = ledger
         self.context = context if context is not None else StepContext()
-        #: reuses a light step's replay where the next step logs the same (``replay_memo``)
-        self.memo = ReplayMemo(ledger, self)
         self._totals = _Totals(ledger)
         self.reset()
-        ledger.memo = self.memo  # after the first reset: what was pending before is not this recorder's
 
     def reset(self) -> None:
         """Start a new step: no snapshots, no open windows, phase idle."""
         self.ledger.flush()  # what is pending belongs to the step that ends
-        self.memo.new_step()
         # per snapshot, in order: module key, state, counters, time_ns (parallel lists, no
         # container per snapshot; only ever appended to); the step's module reports read them
         self._keys: list[str] = []
@@ -313,11 +306,10 @@ class StepRecorder:
         when read), else the ledger (an immediate one, or a call made directly)."""
         ledger = self.ledger
         if self._replay is not None:
-            if ledger._replaying and ledger.pending is not None:
+            if ledger.flushing and ledger.pending is not None:
                 return self._totals
             self._replay = None  # this step's reports take their snapshots here: no replay
             ledger.retain(None)
-            self.memo.skip_step()
         return ledger
 
     def _append(self, key: str, state: str, snap: Snap, t: int | None = None) -> None:

@@ -6,10 +6,10 @@ ledger's counters and opens or closes a peak window (``StepRecorder``; in light 
 and the counter changes are only queued, and replayed in order when the counters are read:
 ``counters.Counters.defer``); light mode's saved tensors are accounted by autograd's
 saved-tensor hooks (``SavedTensorAccounting``), pushed while the outermost FSDP forward runs (from
-its after_pre_forward, where its inputs decide whether the step sees them or replays what earlier
-steps saw: ``step_script.StepScript``) and, for an FSDP module recomputed inside a
-checkpointed region, while it is recomputed; FSDP buffers enter the ledger as tensors
-(``track*``) or, where FSDP's own events tell their size and lifetime, as integers (``add``):
+its after_pre_forward) and, for an FSDP module recomputed inside a checkpointed region, while it is
+recomputed: on every step, so that every figure a light step reports is measured on it. FSDP
+buffers enter the ledger as tensors (``track*``) or, where FSDP's own events tell their size and
+lifetime, as integers (``add``):
 those calls are its base's, ``sink_bytes.LedgerCalls``. It knows nothing of FSDP and holds no
 tensor: unit tests drive it directly (tests/training/test_sink.py).
 """
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from fsdp_mem_otel.config import TrackerConfig
 from fsdp_mem_otel.schema import (
     ACTIVATION,
     AFTER_POST_BACKWARD,
@@ -35,15 +36,12 @@ from fsdp_mem_otel.schema import (
 from fsdp_mem_otel.training.activations import SavedTensorAccounting
 from fsdp_mem_otel.training.adapters.base import tensors_in
 from fsdp_mem_otel.training.deep import release_backend_buffers
-from fsdp_mem_otel.training.ledger import INDEX, SCRIPTED, Ledger
+from fsdp_mem_otel.training.ledger import INDEX, Ledger
 from fsdp_mem_otel.training.recorder import StepRecorder
 from fsdp_mem_otel.training.sink_bytes import LedgerCalls
-from fsdp_mem_otel.training.step_script import StepScript
 
 _in_backward = torch._C._current_graph_task_id
-_grad_on, _autocast_on = torch.is_grad_enabled, torch._C._is_any_autocast_enabled
 _ACTIVATION = INDEX[ACTIVATION]
-_SCALARS = (int, float, bool, str, type(None))
 _time_ns = time.time_ns  # bound once: ~140 calls a step
 #: the state events time one call in this many and count it for each (a prime: a step's calls
 #: come in fours and eights per module, so the timed ones are of every kind and move from step to
@@ -66,17 +64,16 @@ class Sink(LedgerCalls):
         on_error: called with each internal failure (the tracker counts and logs it).
         sample: called at window ends to sample the device allocator (the tracker's probe), or
             None where there is nothing to sample (no CUDA: the call alone cost ~1.6 us in place).
-        config: light mode's switches (``TrackerConfig``): ``activations``, account saved tensors;
-            ``replay_steps``, let steps that repeat the learnt ones replay them (``step_script.py``).
+        config: light mode's switches (``TrackerConfig``): ``activations``, account saved tensors.
     """
 
     def __init__(self, ledger: Ledger, recorder: StepRecorder, on_error: Callable[[BaseException], None],
-                 sample: Callable[[], None] | None = None, config: Any = None) -> None:
+                 sample: Callable[[], None] | None = None, config: TrackerConfig | None = None) -> None:
         self.ledger = ledger
         self.recorder = recorder
         self.report_error = on_error
         self._sample = sample
-        self._activations_on = getattr(config, "activations", True)
+        self._activations_on = config is None or config.activations
         self.active = False
         #: a deep step's dispatch mode runs: it accounts every op, saved tensors included
         self.deep = False
@@ -91,10 +88,9 @@ class Sink(LedgerCalls):
         self.modules: list[str] = []
         self.activations = SavedTensorAccounting(ledger, on_error, self.modules)
         self._recompute_activations = SavedTensorAccounting(ledger, on_error, self.modules)
-        #: ``tracker.saved_activations()``'s (seen on every step); whether this step learns or replays
-        self.scoped_activations = SavedTensorAccounting(ledger, on_error, self.modules, scripted=False)
-        self.script = ledger.script = StepScript(ledger, getattr(config, "replay_steps", True))
-        self._deciding = False  # the outermost forward began: its inputs decide (after_pre_forward)
+        #: ``tracker.saved_activations()``'s
+        self.scoped_activations = SavedTensorAccounting(ledger, on_error, self.modules)
+        self._pushing = False  # the outermost forward began: its after_pre_forward pushes the hooks
         self._forward_depth = 0  # nesting of FSDP forwards now running (outside backward)
         self._forward_pushed = False  # the outermost forward pushed the saved-tensor hooks
         self._recompute_depth = 0  # nesting of FSDP forwards recomputed in backward
@@ -112,11 +108,10 @@ class Sink(LedgerCalls):
             self.ledger.flush()
         except Exception as exc:  # noqa: BLE001
             self.report_error(exc)
-        self.script.end_step()
         self.activations.pop()
         self._recompute_activations.pop()
         self._forward_depth = self._recompute_depth = 0
-        self._forward_pushed = self._deciding = False
+        self._forward_pushed = self._pushing = False
         self._outputs = None
         self.modules.clear()
         self._on_state_ns = 0
@@ -150,9 +145,10 @@ class Sink(LedgerCalls):
                     self._forward_begins()
                 self.modules.append(key)
             elif tensors is not None:
-                if self._deciding:  # the outermost module's after_pre_forward
-                    self._decide(tensors)
-                if (self._forward_depth == 1 or not self.script.replaying) and not self.deep and self._activations_on:
+                if self._pushing:  # the outermost module's after_pre_forward
+                    self._pushing = False
+                    self._forward_pushed = self.activations.push()
+                if not self.deep and self._activations_on:
                     self._track_io(key, state, tensors)
             elif state in _POST_FORWARD:
                 self._note_raising_forward()
@@ -216,32 +212,14 @@ class Sink(LedgerCalls):
         # walked comes back to after_post_forward as itself unless FSDP's post-forward replaced it
         # (a cast to the output dtype): walked once. (Containers are walked again: a hook may have
         # refilled one.) Known by a weak reference: a replaced output dies when FSDP drops it.
-        # The outermost module's are plain activations (the training loop keeps them across
-        # steps: never scripted); an inner module's are scripted, and not walked while replaying.
         seen, self._outputs = self._outputs, None
         if state == AFTER_POST_FORWARD and seen is not None and seen[0] == key and seen[1]() is tensors:
             return
-        if self._forward_depth == 1:
-            take_over = self.ledger.take_over
-            for t in tensors_in(tensors):
-                take_over(t, _ACTIVATION, key)
-        else:
-            track_new = self.ledger.track_new_at
-            for t in tensors_in(tensors):
-                track_new(t, SCRIPTED, key)
+        track_new = self.ledger.track_new_at
+        for t in tensors_in(tensors):
+            track_new(t, _ACTIVATION, key)
         if state == BEFORE_POST_FORWARD and type(tensors) is torch.Tensor:
             self._outputs = (key, weakref.ref(tensors))  # walked: a failing walk is retried
-
-    def _decide(self, inputs: object) -> None:
-        # the outermost forward's inputs are here: does the step learn, or replay (step_script.py)
-        self._deciding = False
-        try:
-            signature: object = _signature(inputs)
-        except Exception as exc:  # noqa: BLE001 - then it is seen: equal to no other
-            self.report_error(exc)
-            signature = object()
-        if self.script.forward_begins(signature, self.ledger.scripted_entries) and self._activations_on:
-            self._forward_pushed = self.activations.push()
 
     @property
     def overhead(self) -> float:
@@ -290,7 +268,7 @@ class Sink(LedgerCalls):
         # An FSDP module recomputed inside a checkpointed region: checkpointing's own saved-tensor
         # hooks keep what it recomputes; ours chain to them to account it (light mode), and the
         # module's recomputed outputs count as they do in forward.
-        if self.deep or not self._activations_on or self.script.replaying:
+        if self.deep or not self._activations_on:
             return
         if state == BEFORE_PRE_FORWARD:
             self.modules.append(key)
@@ -303,7 +281,7 @@ class Sink(LedgerCalls):
                 self.modules.pop()
             if tensors is not None:
                 for t in tensors_in(tensors):
-                    self.ledger.track_new_at(t, SCRIPTED, key)
+                    self.ledger.track_new_at(t, _ACTIVATION, key)
             if self._recompute_depth == 0:
                 self._recompute_activations.pop()
 
@@ -313,8 +291,8 @@ class Sink(LedgerCalls):
             if self.forward_pending:
                 self.forward_pending = False
                 self.on_forward()
-            # the outermost module's after_pre_forward decides, with its inputs (``_decide``)
-            self._deciding = not self.deep
+            # the outermost module's after_pre_forward pushes the saved-tensor hooks
+            self._pushing = not self.deep and self._activations_on
 
     def _forward_ends(self) -> None:
         if self._forward_depth > 0:
@@ -323,17 +301,3 @@ class Sink(LedgerCalls):
             self._forward_pushed = False
             self.activations.pop()
 
-
-def _signature(inputs: object) -> tuple[Any, ...]:
-    """What decides the saved activations' shapes, as far as the outermost forward's inputs tell:
-    grad and autocast modes, each argument's tensors' shapes, dtypes and devices, its scalars."""
-    out: list[Any] = [_grad_on(), _autocast_on()]
-    args, kwargs = inputs if type(inputs) is tuple and len(inputs) == 2 and type(inputs[1]) is dict else ((inputs,), {})
-    for value in (*args, *kwargs, *kwargs.values()):
-        if isinstance(value, _SCALARS):
-            out.append(value)
-            continue
-        for t in tensors_in(value):
-            out.append((t.shape, t.dtype, t.device, t.requires_grad))
-        out.append(None)
-    return tuple(out)

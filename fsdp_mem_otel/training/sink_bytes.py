@@ -12,16 +12,13 @@ from collections.abc import Callable
 
 import torch
 
-from fsdp_mem_otel.training.counters import _N
 from fsdp_mem_otel.training.ledger import Ledger, storages_of
-from fsdp_mem_otel.training.step_script import StepScript
 
 
 class LedgerCalls:
     """FSDP buffers into ``ledger``; never raises (see the module docstring)."""
 
     ledger: Ledger
-    script: StepScript
     report_error: Callable[[BaseException], None]
     #: events are accounted only while active (the tracker attached)
     active: bool
@@ -31,12 +28,11 @@ class LedgerCalls:
         buffers whose size and lifetime the adapter knows from FSDP's own events."""
         if self.active and delta:
             pending = self.ledger.pending
-            if pending is not None:  # ``Counters._add``, written out: ~170 calls a step
-                # scripted once a step is decided: a replayed step takes these from its script
-                pending.extend((device, cat - _N if self.script.scripting else cat, delta))
+            if pending is not None:  # ``Counters.add_at``, written out: ~170 calls a step
+                pending.extend((device, cat, delta))
                 return
             try:
-                self.ledger._add(device, cat, delta)
+                self.ledger.add_at(device, cat, delta)
             except Exception as exc:  # noqa: BLE001
                 self.report_error(exc)
 

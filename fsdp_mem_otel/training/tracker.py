@@ -220,7 +220,7 @@ class FSDPMemoryTracker:
             self._optimizers.step_end()
             report.warnings = self.warnings
             self._adapter.reconcile()
-            report.fallback_groups, report.replay_misses = self._adapter.fallback_groups, self._sink.script.misses
+            report.fallback_groups = self._adapter.fallback_groups
             self.recorder.close_open_windows()
             now, later["peak"] = self.ledger.step_end_later()
             later["current"] = functools.partial(breakdown_of, now)

@@ -197,9 +197,6 @@ fsdp_mem_setup_warning{job_name="train",kind="nothing_sharded",local_rank="1",na
 # HELP fsdp_mem_light_fallback_groups FSDP groups light mode accounts per tensor because their own events cannot tell their buffers' bytes (a parameter with a gradient in some steps only, all-gather extensions); 0 on every tested configuration.
 # TYPE fsdp_mem_light_fallback_groups gauge
 fsdp_mem_light_fallback_groups{job_name="train",local_rank="1",namespace="ml",pod="train-1",rank="1",world_size="2"} 0.0
-# HELP fsdp_mem_light_replay_misses Light mode's steps since attach that replayed what earlier steps learnt (saved activations, FSDP2 group accounts) and did not fit it, or whose script a later check found changed (those steps' figures are off); 0 on every tested configuration.
-# TYPE fsdp_mem_light_replay_misses gauge
-fsdp_mem_light_replay_misses{job_name="train",local_rank="1",namespace="ml",pod="train-1",rank="1",world_size="2"} 0.0
 # HELP fsdp_mem_module_peak_bytes Peak total bytes during the module's forward or backward in the last step (max over calls and devices).
 # TYPE fsdp_mem_module_peak_bytes gauge
 fsdp_mem_module_peak_bytes{job_name="train",local_rank="1",module="<root>",namespace="ml",phase="forward",pod="train-1",rank="1",world_size="2"} 7000.0

@@ -217,7 +217,7 @@ def test_a_failing_event_is_raised_after_the_others_replay() -> None:
         raise RuntimeError("boom")
 
     ledger.queue(broken)
-    ledger._add("cpu", INDEX[TEMP], 100)
+    ledger.add_at("cpu", INDEX[TEMP], 100)
     with pytest.raises(RuntimeError, match="boom"):
         ledger.flush()
     assert ledger.current["cpu"]["total"] == 100  # the change after the failure still counted
@@ -230,9 +230,9 @@ def test_a_failing_change_is_skipped_alone() -> None:
     errors: list[BaseException] = []
     ledger.on_replay_error = errors.append
     recorder = StepRecorder(ledger)
-    ledger._add("cpu", INDEX[TEMP], 100)
-    ledger._add("cpu", len(INDEX) + 5, 7)  # no such category: this change fails
-    ledger._add("cpu", INDEX[TEMP], 20)
+    ledger.add_at("cpu", INDEX[TEMP], 100)
+    ledger.add_at("cpu", len(INDEX) + 5, 7)  # no such category: this change fails
+    ledger.add_at("cpu", INDEX[TEMP], 20)
     ledger.queue(recorder.on_state, "m", BEFORE_PRE_FORWARD)  # an event after it still replays
     assert ledger.pending is not None and len(ledger.pending) == 13  # changes of 3 items, an event of 4
     ledger.flush()
@@ -244,10 +244,10 @@ def test_a_failing_change_is_skipped_alone() -> None:
 def test_a_malformed_log_fails_once_and_is_dropped() -> None:
     ledger = Ledger()
     ledger.defer(True)
-    ledger._add("cpu", INDEX[TEMP], 100)
+    ledger.add_at("cpu", INDEX[TEMP], 100)
     assert ledger.pending is not None
     ledger.pending.extend((None, "not a length"))  # no entry begins like this
-    ledger._add("cpu", INDEX[TEMP], 1)  # unreadable after it
+    ledger.add_at("cpu", INDEX[TEMP], 1)  # unreadable after it
     with pytest.raises(TypeError):
         ledger.flush()
     assert ledger.pending == [] and ledger.current["cpu"]["total"] == 100
@@ -256,7 +256,7 @@ def test_a_malformed_log_fails_once_and_is_dropped() -> None:
 def test_deferral_is_off_where_windows_are_watched() -> None:
     ledger = Ledger()
     ledger.defer(True)
-    ledger._add("cpu", INDEX[TEMP], 10)
+    ledger.add_at("cpu", INDEX[TEMP], 10)
     ledger.watch_windows(object())
     assert ledger.pending is None and ledger.current["cpu"]["total"] == 10
     ledger.defer(True)
@@ -318,3 +318,23 @@ def test_a_light_steps_snapshots_are_replayed_only_when_read() -> None:
     copied = pickle.loads(pickle.dumps(unread))
     assert {k: m.snapshots for k, m in copied.items()} == {k: m.snapshots for k, m in now.items()}
     assert not errors
+
+
+def test_a_failing_keeper_of_the_log_is_counted_and_the_replay_goes_on() -> None:
+    ledger = Ledger()
+    ledger.defer(True)
+    recorder = StepRecorder(ledger)
+    errors: list[BaseException] = []
+    ledger.on_replay_error = errors.append
+
+    def keep(part: list[Any]) -> None:
+        raise MemoryError("keep failed")
+
+    ledger.retain(keep)
+    ledger.add("cpu", TEMP, 100)
+    ledger.queue(recorder.on_state, "m", BEFORE_PRE_FORWARD, False, True, 1)
+    ledger.flush()
+    ledger.add("cpu", TEMP, 1)
+    ledger.flush()
+    assert ledger.pending == [] and ledger.raw()["cpu"][INDEX["total"]] == 101
+    assert len(errors) == 2 and all(isinstance(e, MemoryError) for e in errors)

@@ -201,9 +201,8 @@ def test_an_output_is_walked_once_unless_post_forward_replaces_it() -> None:
 
     sink, ledger, errors = _sink()
     walked: list[int] = []  # ids: the spy must hold no tensor
-    for name in ("take_over", "track_new_at"):  # the outermost module's, an inner one's
-        walk = getattr(ledger, name)
-        setattr(ledger, name, lambda t, *a, walk=walk: (walked.append(id(t)), walk(t, *a)))
+    walk = ledger.track_new_at
+    ledger.track_new_at = lambda t, *a: (walked.append(id(t)), walk(t, *a))  # type: ignore[method-assign]
     x = torch.randn(4, 8)
     out = torch.randn(4, 8)
     sink.on_state("<root>", BEFORE_PRE_FORWARD)
@@ -230,15 +229,15 @@ def test_an_output_is_walked_once_unless_post_forward_replaces_it() -> None:
 
 def test_an_output_whose_first_walk_failed_is_walked_again() -> None:
     sink, ledger, errors = _sink()
-    take_over = ledger.take_over  # how the outermost module's outputs are walked
+    track_new_at = ledger.track_new_at  # how a module's outputs are walked
     fail = [True]
 
     def flaky(t: torch.Tensor, *a: object) -> None:
         if fail.pop() if fail else False:
             raise RuntimeError("broken once")
-        take_over(t, *a)  # type: ignore[arg-type]
+        track_new_at(t, *a)  # type: ignore[arg-type]
 
-    ledger.take_over = flaky  # type: ignore[method-assign]
+    ledger.track_new_at = flaky  # type: ignore[method-assign]
     out = torch.randn(4, 8)
     sink.on_state("<root>", BEFORE_PRE_FORWARD)
     sink.on_state("<root>", BEFORE_POST_FORWARD, out)

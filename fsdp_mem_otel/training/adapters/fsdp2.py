@@ -100,21 +100,6 @@ _PRE_BACKWARD = TrainingState.PRE_BACKWARD
 _AFTER_UNSHARD, _AFTER_RESHARD = methodcaller("after_unshard"), methodcaller("after_reshard")
 
 
-class _NoScript:
-    """A sink without a step script (``step_script.py``): no step replays."""
-
-    skipping = False
-
-    def wire(self, *_: Any) -> None:
-        return None
-
-    def forget(self) -> None:
-        return None
-
-
-_NO_SCRIPT = _NoScript()
-
-
 logger = logging.getLogger(__name__)
 
 
@@ -191,10 +176,6 @@ class FSDP2Adapter:
         self._backward_ends = _InputGradEnds(sink)
         #: deep steps: every group accounted per tensor
         self.per_tensor = False
-        #: a replayed step leaves its light groups alone (``step_script.py``): ``script.skipping``;
-        #: they end it as the learnt step did
-        self._script = getattr(sink, "script", _NO_SCRIPT)
-        self._script.wire(self.light_state, self.restore_light_state, self.resync_light)
 
     def module_keys(self) -> list[str]:
         return [key for key, _ in self._modules]
@@ -289,7 +270,7 @@ class FSDP2Adapter:
         windowed = shared is None
         orig_post_backward, orig_wait = group.post_backward, group.wait_for_unshard
         orig_pre_backward = group.pre_backward
-        script, light = self._script, acct.light
+        light = acct.light
 
         # The wrappers below run at every FSDP event of every group: their containment and the
         # state events are written out (a helper frame per call cost ~0.3 us in place, at ~150
@@ -312,10 +293,8 @@ class FSDP2Adapter:
 
         def post_backward(*args: Any, **kwargs: Any) -> Any:
             count = None
-            skip = script.skipping and acct.current is light  # a replayed step: its states alone
             try:
-                if not skip:
-                    count = acct.before_post_backward()
+                count = acct.before_post_backward()
             except Exception as exc:  # noqa: BLE001
                 sink.report_error(exc)
             try:
@@ -325,8 +304,7 @@ class FSDP2Adapter:
                 sink.report_error(exc)
             out = orig_post_backward(*args, **kwargs)
             try:
-                if not skip:
-                    acct.after_post_backward(count)
+                acct.after_post_backward(count)
             except Exception as exc:  # noqa: BLE001
                 sink.report_error(exc)
             try:
@@ -343,8 +321,6 @@ class FSDP2Adapter:
 
         def wait_for_unshard(*args: Any, **kwargs: Any) -> Any:
             if acct.current is light:  # what it needs is its own: one entry, after
-                if script.skipping:
-                    return orig_wait(*args, **kwargs)
                 out = orig_wait(*args, **kwargs)
                 try:
                     acct.after_wait()
@@ -358,9 +334,9 @@ class FSDP2Adapter:
 
         self._patch(group, "pre_backward", dynamo_safe(pre_backward))
         self._patch(group, "post_backward", dynamo_safe(post_backward))
-        self._patch(group, "unshard", dynamo_safe(_then(sink, group.unshard, acct, _AFTER_UNSHARD, script)))
+        self._patch(group, "unshard", dynamo_safe(_then(sink, group.unshard, acct, _AFTER_UNSHARD)))
         self._patch(group, "wait_for_unshard", dynamo_safe(wait_for_unshard))
-        self._patch(group, "reshard", dynamo_safe(_then(sink, group.reshard, acct, _AFTER_RESHARD, script)))
+        self._patch(group, "reshard", dynamo_safe(_then(sink, group.reshard, acct, _AFTER_RESHARD)))
 
     # -- light mode's integer accounts --------------------------------------------------------
     def _mirror_of(self, comm: Any) -> CommMirror:
@@ -374,7 +350,6 @@ class FSDP2Adapter:
     def start(self) -> None:
         """The tracker counts from now: light groups count what FSDP holds already (what steps
         learnt before holds no more)."""
-        self._script.forget()
         for acct in self._accounts:
             acct.sync()
 
@@ -389,35 +364,6 @@ class FSDP2Adapter:
                 mirror.drop_counts()
         for acct in self._accounts:
             acct.use_tensors(on)
-
-    # -- replayed steps (step_script.py) --------------------------------------------------------
-    def light_state(self) -> Any:
-        """The light groups' and mirrors' counts, comparable, for a replayed step to end in; None
-        where no step may skip them (a group accounted per tensor)."""
-        if self.per_tensor or any(acct.current is not acct.light for acct in self._accounts):
-            return None
-        mirrors = tuple((key, m.state()) for key, m in self._mirrors.items())
-        if any(state is None for _, state in mirrors):
-            return None
-        return tuple(acct.light.state() for acct in self._accounts), mirrors
-
-    def restore_light_state(self, state: Any) -> None:
-        """End a replayed step as the step it replayed ended (``light_state``)."""
-        groups, mirrors = state
-        for acct, group_state in zip(self._accounts, groups, strict=True):
-            acct.light.restore(group_state)
-        for key, mirror_state in mirrors:
-            mirror = self._mirrors.get(key)
-            if mirror is not None:
-                mirror.restore(mirror_state)
-
-    def resync_light(self) -> None:
-        """After a step that skipped its groups' events and did not fit its script: count what
-        the light groups hold now."""
-        for acct in self._accounts:
-            if acct.current is acct.light:
-                acct.light.drop_counts()
-                acct.light.sync()
 
     def reconcile(self) -> None:
         """Let go of what FSDP and ``zero_grad`` let go of without an event (the step ends)."""
@@ -438,8 +384,8 @@ class FSDP2Adapter:
     # inner modules' forwards leave the mirrors alone. Inside an FSDP forward, FSDP's shared state
     # context has an ``iter_forward_root`` (the root's pre-forward ran, its post-forward not yet).
     def _forward_begins(self, state: Any) -> None:
-        if self._script.skipping or getattr(state._state_ctx, "iter_forward_root", None) is not None:
-            return  # a replayed step, or inside an FSDP forward
+        if getattr(state._state_ctx, "iter_forward_root", None) is not None:
+            return  # inside an FSDP forward
         for mirror in self._mirrors.values():
             mirror.reconcile()
         if self._check_grads:  # once per step, at its first forward: zero_grad ran before it
@@ -448,8 +394,8 @@ class FSDP2Adapter:
                 acct.current.reconcile()
 
     def _forward_ends(self, state: Any) -> None:
-        if self._script.skipping or getattr(state._state_ctx, "iter_forward_root", None) is not None:
-            return  # a replayed step, or inside an FSDP forward
+        if getattr(state._state_ctx, "iter_forward_root", None) is not None:
+            return  # inside an FSDP forward
         for mirror in self._mirrors.values():  # the root's post-forward frees the deferred output
             mirror.reconcile()
 
@@ -662,7 +608,7 @@ class _Accounts:
             if group.comm_ctx is not self._comm or mirror is None:
                 mirror = self._mirror
             deferred = mirror.waited(group._training_state is _FORWARD,
-                                     mirror.deferred is not None, light.dev, light._pending_ag, None)
+                                     mirror.deferred is not None, light.dev, light.pending_all_gather(), None)
         light.after_wait(deferred, None)
 
     def before_wait(self) -> WaitToken:
@@ -697,15 +643,11 @@ class _Accounts:
 
 
 def _then(sink: EventSink, orig: Callable[..., Any], acct: _Accounts,
-          event: Callable[[Any], None], script: Any) -> Callable[..., Any]:
+          event: Callable[[Any], None]) -> Callable[..., Any]:
     """``orig``, then ``event`` on the group's current accounts (``_AFTER_*``: a C-level
-    ``methodcaller``, no frame of ours), unless a replayed step skips its light ones
-    (``script.skipping``); tracker failures never reach FSDP."""
-    light = acct.light
+    ``methodcaller``, no frame of ours); tracker failures never reach FSDP."""
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if script.skipping and acct.current is light:
-            return orig(*args, **kwargs)
         out = orig(*args, **kwargs)
         try:
             event(acct.current)

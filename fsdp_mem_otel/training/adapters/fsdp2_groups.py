@@ -193,19 +193,6 @@ class CommMirror:
             self._sink.add(dev, category, n)
         return n
 
-    def state(self) -> tuple[Any, ...] | None:
-        """What is held and counted now, comparable (``restore`` puts it back); None while it
-        holds a buffer accounted per tensor."""
-        held = [self.deferred, *self.rs]
-        if any(h is not None and h.ref is not None for h in held):
-            return None
-        return tuple(None if h is None else (h.dev, h.cat, h.nbytes) for h in held)
-
-    def restore(self, state: tuple[Any, ...]) -> None:
-        deferred, *rs = state
-        self.deferred = None if deferred is None else _Held(deferred[0], deferred[1], deferred[2], None)
-        self.rs = [_Held(h[0], h[1], h[2], None) for h in rs]
-
     def drop_counts(self) -> None:
         """Subtract what is counted (per-tensor accounting takes over): the buffers stay held."""
         for held in ([self.deferred] if self.deferred is not None else []) + self.rs:
@@ -384,12 +371,24 @@ class LightGroup:
         state = self.group._training_state
         if state is not _PRE_BACKWARD and state is not _FORWARD:
             return  # not used in this backward: no gradients (FSDP's call from its final callback)
-        if self._grads_full is None:
-            self._grads_full, _ = _distinct_bytes(
+        if self._grads or not self._trainable:
+            return
+        if getattr(getattr(self._trainable[0], "_unsharded_param", None), "grad", None) is None:
+            # No gradient for the first parameter in this backward (a module that returned its
+            # input, a branch not taken): the learnt size does not hold, so count the parameters'
+            # own; where some have one, the group cannot be accounted from its events.
+            grads, _ = _distinct_bytes(
                 getattr(getattr(fp, "_unsharded_param", None), "grad", None) for fp in self._trainable)
-        if not self._grads:
-            self._grads = self._grads_full
-            self._sink.add(self.dev, _UG, self._grads)
+            if grads:
+                self.unfit = "a parameter without a gradient in a step, or with one"
+        else:
+            if self._grads_full is None:
+                self._grads_full, _ = _distinct_bytes(
+                    getattr(getattr(fp, "_unsharded_param", None), "grad", None) for fp in self._trainable)
+            grads = self._grads_full
+        if grads:
+            self._grads = grads
+            self._sink.add(self.dev, _UG, grads)
 
     def after_post_backward(self, reduce_scatter_bytes: int | None) -> None:
         group, sink = self.group, self._sink
@@ -443,15 +442,6 @@ class LightGroup:
                 self._grads = self._accumulated = 0
 
     # -- hand-over --------------------------------------------------------------------------------
-    def state(self) -> tuple[Any, ...]:
-        """What is counted now, comparable (``restore`` puts it back: a replayed step's end)."""
-        return (self._unsharded, self._post_forward, self._pending_ag, self._grads, self._accumulated,
-                self._sharded_grads, self._sg_dev, self.all_gather_seen)
-
-    def restore(self, state: tuple[Any, ...]) -> None:
-        (self._unsharded, self._post_forward, self._pending_ag, self._grads, self._accumulated,
-         self._sharded_grads, self._sg_dev, self.all_gather_seen) = state
-
     def sync(self) -> None:
         """Count what the group holds now (at attach, and when per-tensor accounting hands back)."""
         group = self.group
