@@ -48,9 +48,9 @@ from fsdp_mem_otel.schema import (
     BEFORE_PRE_BACKWARD,
     BEFORE_PRE_FORWARD,
 )
-from fsdp_mem_otel.training.ledger import Ledger
-from fsdp_mem_otel.training.recorder import StepRecorder
-from fsdp_mem_otel.training.sink import Sink
+from fsdp_mem_otel.training.light.ledger import Ledger
+from fsdp_mem_otel.training.light.recorder import StepRecorder
+from fsdp_mem_otel.training.light.sink import Sink
 
 _STATES = (BEFORE_PRE_FORWARD, AFTER_PRE_FORWARD, BEFORE_POST_FORWARD, AFTER_POST_FORWARD)
 

@@ -41,12 +41,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-import fsdp_mem_otel.training.activations as activations
 import fsdp_mem_otel.training.adapters.fsdp2 as fsdp2
 import fsdp_mem_otel.training.adapters.fsdp2_groups as fsdp2_groups
-import fsdp_mem_otel.training.ledger as ledger
+import fsdp_mem_otel.training.light.activations as activations
+import fsdp_mem_otel.training.light.ledger as ledger
+import fsdp_mem_otel.training.light.sink as sink
 import fsdp_mem_otel.training.optimizers as optimizers
-import fsdp_mem_otel.training.sink as sink
 import fsdp_mem_otel.training.tracker as tracker_module
 from fsdp_mem_otel.tools.demo import WrapOptions, build, init_distributed, make_batch, train_step
 
@@ -82,9 +82,9 @@ def timed(name: str, fn: Callable[..., Any], times: collections.Counter[str] = T
 
 #: ``--nested``: methods timed inside the entry points (every call, nested or not), to split them
 NESTED_POINTS: dict[str, tuple[str, ...]] = {
-    "fsdp_mem_otel.training.recorder.StepRecorder": ("on_state", "close_open_windows", "modules_later"),
-    "fsdp_mem_otel.training.ledger.Ledger": ("track_new", "snap", "open_window", "close_window_raw", "step_end_later",
-                                             "flush"),
+    "fsdp_mem_otel.training.light.recorder.StepRecorder": ("on_state", "close_open_windows", "modules_later"),
+    "fsdp_mem_otel.training.light.ledger.Ledger": ("track_new", "snap", "open_window", "close_window_raw",
+                                                   "step_end_later", "flush"),
     "fsdp_mem_otel.training.adapters.fsdp2_groups.CommMirror": ("before_wait", "after_wait", "after_post_backward",
                                                                 "reconcile"),
     "fsdp_mem_otel.training.adapters.fsdp2_groups.LightGroup": ("after_unshard", "after_wait", "after_reshard",
@@ -92,11 +92,11 @@ NESTED_POINTS: dict[str, tuple[str, ...]] = {
                                                                 "reconcile"),
     "fsdp_mem_otel.training.leaks.LeakWatch": ("observe_later",),
     "fsdp_mem_otel.training.adapters.fsdp2.FSDP2Adapter": ("reconcile",),
-    "fsdp_mem_otel.training.recorder.StepRecorder ": ("reset",),
-    "fsdp_mem_otel.training.recorder.StepReplay": ("keep",),
-    "fsdp_mem_otel.training.sink.Sink": ("end_step",),
+    "fsdp_mem_otel.training.light.recorder.StepRecorder ": ("reset",),
+    "fsdp_mem_otel.training.light.recorder.StepReplay": ("keep",),
+    "fsdp_mem_otel.training.light.sink.Sink": ("end_step",),
     "fsdp_mem_otel.training.adapters.fsdp2._ForwardHooks": ("reconcile",),
-    "fsdp_mem_otel.training.counters.Counters": ("reset_step",),
+    "fsdp_mem_otel.training.light.counters.Counters": ("reset_step",),
 }
 NESTED: collections.Counter[str] = collections.Counter()
 NESTED_CALLS: collections.Counter[str] = collections.Counter()

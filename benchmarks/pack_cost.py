@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from fsdp_mem_otel.training.activations import SavedTensorAccounting, _unpack
-from fsdp_mem_otel.training.ledger import INDEX, Ledger
+from fsdp_mem_otel.training.light.activations import SavedTensorAccounting, _unpack
+from fsdp_mem_otel.training.light.ledger import INDEX, Ledger
 
 
 def best_ns(fn: Callable[[list[Any]], None], make: Callable[[], list[Any]], repeat: int) -> float:

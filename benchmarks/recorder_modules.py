@@ -20,8 +20,8 @@ import torch
 
 import fsdp_mem_otel
 from fsdp_mem_otel.schema import STATES, TEMP
-from fsdp_mem_otel.training.ledger import Ledger
-from fsdp_mem_otel.training.recorder import StepRecorder
+from fsdp_mem_otel.training.light.ledger import Ledger
+from fsdp_mem_otel.training.light.recorder import StepRecorder
 
 FORWARD, BACKWARD = STATES[:4], STATES[4:8]  # a module's four forward and four backward states, in order
 

@@ -15,8 +15,8 @@ from types import ModuleType
 from typing import Any
 
 _PARTS = {
-    "training": ("tracker", "sink", "recorder", "ledger", "activations", "deep", "optimizers", "adapters",
-                 "compile_support", "allocator"),
+    "training": ("tracker", "deep", "optimizers", "adapters", "compile_support", "allocator"),
+    "training.light": ("sink", "recorder", "ledger", "activations"),
     "tools": ("estimate", "demo"),
     "exporters": ("worker",),
     "fleet": ("serve", "http_server", "rank_files", "catalog", "dashboards", "alerts", "k8s_files"),

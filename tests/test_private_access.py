@@ -83,12 +83,12 @@ def test_the_check_finds_a_reach_in(tmp_path: Path) -> None:
     # the rule itself: a module that reads another's private attribute, and one that imports a
     # private name, are found; its own private names and another library's pass
     (tmp_path / "reader.py").write_text(
-        "from fsdp_mem_otel.training.counters import _N\n"
+        "from fsdp_mem_otel.training.light.counters import _N\n"
         "import torch\n"
         "def read(ledger, t):\n"
         "    _own = 1\n"
-        "    return ledger._replaying, t._version, torch._C, _own\n"
+        "    return ledger._flushing, t._version, torch._C, _own\n"
     )
     found = cross_module_private_access(tmp_path)
     assert [f.split(":", 2)[2].split(" (")[0].strip() for f in found] == [
-        "import fsdp_mem_otel.training.counters._N", "._replaying"]
+        "import fsdp_mem_otel.training.light.counters._N", "._flushing"]

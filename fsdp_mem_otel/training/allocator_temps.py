@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from fsdp_mem_otel.schema import TEMP, TOTAL, DeviceBreakdown, device_counters
-from fsdp_mem_otel.training.counters import Snap, snap_of
-from fsdp_mem_otel.training.ledger import INDEX, RawBreakdown
+from fsdp_mem_otel.training.light.counters import Snap, snap_of
+from fsdp_mem_otel.training.light.ledger import INDEX, RawBreakdown
 
 _T, _TEMP = INDEX[TOTAL], INDEX[TEMP]
 

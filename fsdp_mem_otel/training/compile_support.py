@@ -25,18 +25,18 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 # Every module whose functions run inside hooks, optimizer hooks or saved-tensor hooks. The demo
 # model (fsdp_mem_otel.tools.demo) is not here: users and tests compile it.
 _HOOK_MODULES = (
-    "fsdp_mem_otel.training.activations",
+    "fsdp_mem_otel.training.light.activations",
     "fsdp_mem_otel.training.adapters",
     "fsdp_mem_otel.training.allocator",
     "fsdp_mem_otel.training.compile_support",
     "fsdp_mem_otel.training.deep",
     "fsdp_mem_otel.integrations._session",
     "fsdp_mem_otel.integrations.auto",
-    "fsdp_mem_otel.training.ledger",
+    "fsdp_mem_otel.training.light.ledger",
     "fsdp_mem_otel.training.optimizers",
     "fsdp_mem_otel.schema",
-    "fsdp_mem_otel.training.sink",
-    "fsdp_mem_otel.training.recorder",
+    "fsdp_mem_otel.training.light.sink",
+    "fsdp_mem_otel.training.light.recorder",
     "fsdp_mem_otel.training.tracker",
 )
 _skipped: bool | None = None  # None: not tried yet

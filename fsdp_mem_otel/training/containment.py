@@ -20,8 +20,8 @@ import torch
 from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.schema import StepAbort
 from fsdp_mem_otel.training.allocator import AllocatorProbe
-from fsdp_mem_otel.training.ledger import Ledger
-from fsdp_mem_otel.training.recorder import StepRecorder
+from fsdp_mem_otel.training.light.ledger import Ledger
+from fsdp_mem_otel.training.light.recorder import StepRecorder
 
 logger = logging.getLogger(__name__)
 

@@ -28,10 +28,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_mem_otel.schema import ACTIVATION, ALL_GATHER, OPTIMIZER_STATE, REDUCE_SCATTER, TEMP
-from fsdp_mem_otel.training.recorder import POST_BACKWARD, PRE_BACKWARD, PRE_FORWARD, StepContext
+from fsdp_mem_otel.training.light.recorder import POST_BACKWARD, PRE_BACKWARD, PRE_FORWARD, StepContext
 
 if TYPE_CHECKING:
-    from fsdp_mem_otel.training.ledger import Ledger
+    from fsdp_mem_otel.training.light.ledger import Ledger
 
 logger = logging.getLogger(__name__)
 _ALL_GATHER_OPS = frozenset({torch.ops.c10d._allgather_base_.default})

@@ -22,9 +22,9 @@ from fsdp_mem_otel.config import TrackerConfig
 from fsdp_mem_otel.schema import DEEP, DEEP_SKIPPED_COMPILED, LIGHT
 from fsdp_mem_otel.training.compile_support import called_from_compiled_code, compiled_regions, force_eager
 from fsdp_mem_otel.training.deep import RESIZE_WATCH, DeepMode
-from fsdp_mem_otel.training.ledger import Ledger
-from fsdp_mem_otel.training.recorder import StepContext
-from fsdp_mem_otel.training.sink import Sink
+from fsdp_mem_otel.training.light.ledger import Ledger
+from fsdp_mem_otel.training.light.recorder import StepContext
+from fsdp_mem_otel.training.light.sink import Sink
 
 logger = logging.getLogger(__name__)
 

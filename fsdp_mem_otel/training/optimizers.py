@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from fsdp_mem_otel.schema import OPTIMIZER_STATE
-from fsdp_mem_otel.training.ledger import INDEX, Ledger
-from fsdp_mem_otel.training.recorder import StepContext
+from fsdp_mem_otel.training.light.ledger import INDEX, Ledger
+from fsdp_mem_otel.training.light.recorder import StepContext
 
 _OPTIMIZER_STATE = INDEX[OPTIMIZER_STATE]
 logger = logging.getLogger(__name__)

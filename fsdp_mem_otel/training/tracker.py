@@ -38,13 +38,13 @@ from fsdp_mem_otel.training.allocator import AllocatorProbe
 from fsdp_mem_otel.training.allocator_temps import allocator_temps
 from fsdp_mem_otel.training.compile_support import keep_out_of_dynamo
 from fsdp_mem_otel.training.containment import ErrorPolicy, StepAborts
-from fsdp_mem_otel.training.counters import totals_of
 from fsdp_mem_otel.training.deep_steps import DeepSteps
 from fsdp_mem_otel.training.leaks import LeakWatch
-from fsdp_mem_otel.training.ledger import Ledger
+from fsdp_mem_otel.training.light.counters import totals_of
+from fsdp_mem_otel.training.light.ledger import Ledger
+from fsdp_mem_otel.training.light.recorder import StepContext, StepRecorder
+from fsdp_mem_otel.training.light.sink import Sink
 from fsdp_mem_otel.training.optimizers import OptimizerWatch, unwrap_optimizers
-from fsdp_mem_otel.training.recorder import StepContext, StepRecorder
-from fsdp_mem_otel.training.sink import Sink
 
 logger = logging.getLogger(__name__)
 _TRACKERS: weakref.WeakSet[FSDPMemoryTracker] = weakref.WeakSet()

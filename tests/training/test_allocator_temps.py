@@ -8,7 +8,7 @@ import pytest
 from fsdp_mem_otel.schema import ACTIVATION, TEMP, TOTAL
 from fsdp_mem_otel.training.allocator import AllocatorProbe
 from fsdp_mem_otel.training.allocator_temps import AllocatorTemps, allocator_temps
-from fsdp_mem_otel.training.ledger import Ledger, as_breakdown
+from fsdp_mem_otel.training.light.ledger import Ledger, as_breakdown
 from tests.training.test_allocator import FakeCuda
 
 DEV = "cuda:0"

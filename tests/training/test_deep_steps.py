@@ -10,9 +10,9 @@ from fsdp_mem_otel.config import TrackerConfig
 from fsdp_mem_otel.schema import DEEP, DEEP_SKIPPED_COMPILED, LIGHT
 from fsdp_mem_otel.training.deep import DeepMode
 from fsdp_mem_otel.training.deep_steps import DeepSteps
-from fsdp_mem_otel.training.ledger import Ledger
-from fsdp_mem_otel.training.recorder import StepContext, StepRecorder
-from fsdp_mem_otel.training.sink import Sink
+from fsdp_mem_otel.training.light.ledger import Ledger
+from fsdp_mem_otel.training.light.recorder import StepContext, StepRecorder
+from fsdp_mem_otel.training.light.sink import Sink
 
 
 class _Adapter:

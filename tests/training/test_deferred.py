@@ -32,9 +32,9 @@ from fsdp_mem_otel.schema import (
     TEMP,
     UNSHARDED_PARAM,
 )
-from fsdp_mem_otel.training.ledger import INDEX, Ledger
-from fsdp_mem_otel.training.recorder import StepRecorder
-from fsdp_mem_otel.training.sink import Sink
+from fsdp_mem_otel.training.light.ledger import INDEX, Ledger
+from fsdp_mem_otel.training.light.recorder import StepRecorder
+from fsdp_mem_otel.training.light.sink import Sink
 
 
 def _pair() -> tuple[list[Sink], list[BaseException]]:
@@ -228,7 +228,7 @@ def test_a_failing_change_is_skipped_alone() -> None:
     ledger = Ledger()
     ledger.defer(True)
     errors: list[BaseException] = []
-    ledger.on_replay_error = errors.append
+    ledger.on_flush_error = errors.append
     recorder = StepRecorder(ledger)
     ledger.add_at("cpu", INDEX[TEMP], 100)
     ledger.add_at("cpu", len(INDEX) + 5, 7)  # no such category: this change fails
@@ -289,9 +289,9 @@ def test_the_replay_counts_in_the_trackers_overhead() -> None:
         for state in (BEFORE_PRE_FORWARD, AFTER_PRE_FORWARD, BEFORE_POST_FORWARD, AFTER_POST_FORWARD):
             sink.on_state(f"m{i}", state)
     queued = sink.overhead
-    assert queued > 0 and sink.ledger.replay_seconds == 0
+    assert queued > 0 and sink.ledger.flush_seconds == 0
     sink.ledger.flush()
-    assert sink.ledger.replay_seconds > 0 and sink.overhead == queued + sink.ledger.replay_seconds
+    assert sink.ledger.flush_seconds > 0 and sink.overhead == queued + sink.ledger.flush_seconds
     sink.end_step()
     assert sink.overhead == 0
 
@@ -325,7 +325,7 @@ def test_a_failing_keeper_of_the_log_is_counted_and_the_replay_goes_on() -> None
     ledger.defer(True)
     recorder = StepRecorder(ledger)
     errors: list[BaseException] = []
-    ledger.on_replay_error = errors.append
+    ledger.on_flush_error = errors.append
 
     def keep(part: list[Any]) -> None:
         raise MemoryError("keep failed")

@@ -10,8 +10,8 @@ import torch
 from fsdp_mem_otel.schema import BEFORE_PRE_FORWARD
 from fsdp_mem_otel.training.allocator import AllocatorProbe
 from fsdp_mem_otel.training.containment import ErrorPolicy, StepAborts, is_oom
-from fsdp_mem_otel.training.ledger import Ledger
-from fsdp_mem_otel.training.recorder import StepRecorder
+from fsdp_mem_otel.training.light.ledger import Ledger
+from fsdp_mem_otel.training.light.recorder import StepRecorder
 
 
 def _raise(kind: type[Exception], msg: str) -> Exception:

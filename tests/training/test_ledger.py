@@ -3,7 +3,7 @@
 import torch
 
 from fsdp_mem_otel.schema import ACTIVATION, ALL_GATHER, TEMP, TOTAL
-from fsdp_mem_otel.training.ledger import Ledger, as_breakdown
+from fsdp_mem_otel.training.light.ledger import Ledger, as_breakdown
 
 
 def test_track_counts_storage_once_and_frees_on_gc() -> None:

@@ -64,7 +64,7 @@ def state_times_in_order(steps: int) -> tuple[list[list[tuple[str, str]]], list[
     import itertools
 
     from fsdp_mem_otel.schema import BACKWARD_STATES, FORWARD_STATES
-    from fsdp_mem_otel.training import sink as sink_module
+    from fsdp_mem_otel.training.light import sink as sink_module
 
     rank = torch.distributed.get_rank()
     model, opt = build(3, 32, WrapOptions(fsdp=2))

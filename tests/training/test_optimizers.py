@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_mem_otel.training.ledger import Ledger
+from fsdp_mem_otel.training.light.ledger import Ledger
+from fsdp_mem_otel.training.light.recorder import StepContext
 from fsdp_mem_otel.training.optimizers import OptimizerWatch, unwrap_optimizers
-from fsdp_mem_otel.training.recorder import StepContext
 
 
 def _state_bytes(*opts: torch.optim.Optimizer) -> int:

@@ -27,8 +27,8 @@ from fsdp_mem_otel.schema import (
     TOTAL,
     CountedModuleReport,
 )
-from fsdp_mem_otel.training.ledger import Ledger
-from fsdp_mem_otel.training.recorder import StepRecorder
+from fsdp_mem_otel.training.light.ledger import Ledger
+from fsdp_mem_otel.training.light.recorder import StepRecorder
 
 FWD = (BEFORE_PRE_FORWARD, AFTER_PRE_FORWARD, BEFORE_POST_FORWARD, AFTER_POST_FORWARD)
 BWD = (BEFORE_PRE_BACKWARD, AFTER_PRE_BACKWARD, BEFORE_POST_BACKWARD, AFTER_POST_BACKWARD)

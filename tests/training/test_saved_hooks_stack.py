@@ -16,7 +16,7 @@ import torch
 
 from fsdp_mem_otel.config import TrackerConfig
 from fsdp_mem_otel.tools.demo import WrapOptions, build, make_batch
-from fsdp_mem_otel.training.activations import SavedTensorAccounting
+from fsdp_mem_otel.training.light.activations import SavedTensorAccounting
 from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 from tests.dist import run_ranks
 from tests.oracles import BATCH, BLOCKS, WIDTH

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fsdp_mem_otel.schema import ACTIVATION
-from fsdp_mem_otel.training.activations import SavedTensorAccounting
-from fsdp_mem_otel.training.ledger import Ledger
+from fsdp_mem_otel.training.light.activations import SavedTensorAccounting
+from fsdp_mem_otel.training.light.ledger import Ledger
 
 
 def _accounting() -> tuple[Ledger, SavedTensorAccounting, list[BaseException]]:

@@ -26,9 +26,9 @@ from fsdp_mem_otel.schema import (
 )
 from fsdp_mem_otel.training.adapters.base import tensors_in
 from fsdp_mem_otel.training.deep import DeepMode
-from fsdp_mem_otel.training.ledger import INDEX, Ledger
-from fsdp_mem_otel.training.recorder import StepRecorder
-from fsdp_mem_otel.training.sink import Sink
+from fsdp_mem_otel.training.light.ledger import INDEX, Ledger
+from fsdp_mem_otel.training.light.recorder import StepRecorder
+from fsdp_mem_otel.training.light.sink import Sink
 
 
 def _sink(**kwargs: object) -> tuple[Sink, Ledger, list[BaseException]]:

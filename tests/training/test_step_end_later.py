@@ -25,8 +25,8 @@ import pytest
 
 from fsdp_mem_otel.schema import CATEGORY_KEYS, LIGHT, TOTAL, StepReport, breakdown_of
 from fsdp_mem_otel.training import allocator
-from fsdp_mem_otel.training.counters import snap_of, totals_of
 from fsdp_mem_otel.training.leaks import LeakWatch
+from fsdp_mem_otel.training.light.counters import snap_of, totals_of
 from tests.dist import run_ranks
 from tests.training.test_deferred import _pair, _random_step, _reports
 

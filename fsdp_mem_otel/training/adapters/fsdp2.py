@@ -92,7 +92,7 @@ from fsdp_mem_otel.schema import (
 from fsdp_mem_otel.training.adapters.base import EventSink, fsdp_module_keys, iter_tensors
 from fsdp_mem_otel.training.adapters.fsdp2_groups import CommMirror, LightGroup, TensorGroup, WaitToken, reduce_category
 from fsdp_mem_otel.training.compile_support import dynamo_safe
-from fsdp_mem_otel.training.ledger import INDEX
+from fsdp_mem_otel.training.light.ledger import INDEX
 
 _T = TypeVar("_T")
 _FORWARD = TrainingState.FORWARD

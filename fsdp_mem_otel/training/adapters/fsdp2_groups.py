@@ -49,7 +49,7 @@ from fsdp_mem_otel.schema import (
     UNSHARDED_PARAM,
 )
 from fsdp_mem_otel.training.adapters.base import EventSink
-from fsdp_mem_otel.training.ledger import INDEX, device_block, rounded, storages_of
+from fsdp_mem_otel.training.light.ledger import INDEX, device_block, rounded, storages_of
 
 _AG, _UP, _UG, _SG = INDEX[ALL_GATHER], INDEX[UNSHARDED_PARAM], INDEX[UNSHARDED_GRAD], INDEX[SHARDED_GRAD]
 #: training states in which a group's post-backward finds gradients (its pre-backward ran, or a

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from fsdp_mem_otel.schema import ACTIVATION
-from fsdp_mem_otel.training.ledger import INDEX, Ledger
+from fsdp_mem_otel.training.light.ledger import INDEX, Ledger
 
 _STRIDED = torch.strided
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter

@@ -14,13 +14,13 @@ promoted, and brought on full collections: benchmarks/README.md). The public
 ``{category: bytes}`` dicts are built only for reports.
 
 Deferred (light mode, ``defer(True)``): a change of bytes is only appended to ``pending``, and so
-is each of the step recorder's events (``Sink``); ``flush()`` replays them in order, in one loop,
+is each of the step recorder's events (``Sink``); ``flush()`` applies them in order, in one loop,
 the first time anything reads the counters (the optimizer hook, the step's end, an abort). In
 place each update touched counters, window peaks and sets that training's data had pushed out of
-the CPU caches; replayed together they stay warm. Every reading method flushes first, so a reader
+the CPU caches; applied together they stay warm. Every reading method flushes first, so a reader
 sees what an immediate ledger would have shown. The recorder's events take no snapshot in this
-replay: it hands each replayed part of the log on (``retain``), and the step's
-``recorder.StepReplay`` replays it again for the module snapshots when a report is read.
+flush: it hands each flushed part of the log on (``retain``), and the step's
+``recorder.StepReplay`` replays it for the module snapshots when a report is read.
 Knows no torch.
 """
 
@@ -75,7 +75,7 @@ class WindowWatch(Protocol):
 
 
 def _hand_on(keep: Callable[[list[Any]], None], part: list[Any], failures: list[Exception]) -> None:
-    """``keep(part)``; a failure is one of the replay's (the counters are replayed: it goes on)."""
+    """``keep(part)``; a failure is one of the flush's (the counters are up to date: it goes on)."""
     try:
         keep(part)
     except Exception as exc:  # noqa: BLE001
@@ -155,12 +155,12 @@ class Counters:
         self.window_watch: WindowWatch | None = None  # told of window edges, or None
         #: deferred mode: changes and recorder events waiting for ``flush``, flat (see ``flush``), else None
         self.pending: list[Any] | None = None
-        self._replaying = False
-        #: seconds spent replaying (the sink counts them in its overhead and zeroes them per step)
-        self.replay_seconds = 0.0
-        #: told of each event that fails in a replay (the tracker counts them); None: ``flush`` raises
-        self.on_replay_error: Callable[[BaseException], None] | None = None
-        #: where each replay hands what it replayed (``retain``), or None
+        self._flushing = False
+        #: seconds spent flushing (the sink counts them in its overhead and zeroes them per step)
+        self.flush_seconds = 0.0
+        #: told of each event that fails in a flush (the tracker counts them); None: ``flush`` raises
+        self.on_flush_error: Callable[[BaseException], None] | None = None
+        #: where each flush hands what it applied (``retain``), or None
         self._retained: Callable[[list[Any]], None] | None = None
 
     def defer(self, on: bool) -> None:
@@ -176,31 +176,31 @@ class Counters:
         self.defer(watch is None)
 
     def retain(self, keep: Callable[[list[Any]], None] | None) -> None:
-        """Hand ``keep`` each replayed part of the log, in order (the step recorder replays it
+        """Hand ``keep`` each flushed part of the log, in order (the step recorder replays it
         again for its snapshots when they are read: ``recorder.StepReplay``); None: stop."""
         self.flush()
         self._retained = keep
 
     def flush(self) -> None:
-        """Replay the pending changes and events in order (a no-op when there are none).
+        """Apply the pending changes and events in order (a no-op when there are none).
 
         The log is one flat list of names, numbers and bound methods, which the cyclic collector
         does not count (a tuple per entry brought collections, and promotions): an add is
         ``device, category index, delta``; an event is ``method, n, *n args``, its time last. Each
         goes in with one ``extend``, so that one queued from another thread never lands inside it.
-        A failing event does not stop the others: each goes to ``on_replay_error``, or the first is
+        A failing event does not stop the others: each goes to ``on_flush_error``, or the first is
         raised at the end."""
         pending = self.pending
-        if not pending or self._replaying:
+        if not pending or self._flushing:
             return
-        self._replaying = True
+        self._flushing = True
         started = time.perf_counter()
         cur, step, windows, offer = self._cur, self._step, self._windows, self.offer_on_add
         failures: list[Exception] = []
         i = 0
         try:
             # One list, consumed from the front: a change queued meanwhile (a free on another
-            # thread, or while replaying) lands behind these, in this loop or the next flush.
+            # thread, or while flushing) lands behind these, in this loop or the next flush.
             while i < len(pending):
                 head = pending[i]
                 at = i
@@ -231,25 +231,25 @@ class Counters:
                         n = pending[i + 1]
                         i += 2 + n
                         head(*pending[i - n:i])
-                except Exception as exc:  # noqa: BLE001 - replay the rest
+                except Exception as exc:  # noqa: BLE001 - apply the rest
                     failures.append(exc)
                     if i == at:  # not an entry's head: where the next one starts is unknown
                         i = len(pending)
         finally:
             part = pending[:i]
             del pending[:i]
-            self._replaying = False
+            self._flushing = False
             if self._retained is not None and i:
                 _hand_on(self._retained, part, failures)
-            self.replay_seconds += time.perf_counter() - started
+            self.flush_seconds += time.perf_counter() - started
         if failures:
-            if self.on_replay_error is None:
+            if self.on_flush_error is None:
                 raise failures[0]
             for err in failures:
-                self.on_replay_error(err)
+                self.on_flush_error(err)
 
     def queue(self, event: Callable[..., None], *args: Any) -> None:
-        """``event(*args)`` now, or at the next replay where changes are deferred (time last)."""
+        """``event(*args)`` now, or at the next flush where changes are deferred (time last)."""
         pending = self.pending
         if pending is None:
             event(*args)
@@ -259,7 +259,7 @@ class Counters:
     @property
     def flushing(self) -> bool:
         """Whether ``flush`` is running now (what it runs sees the counters as they stand)."""
-        return self._replaying
+        return self._flushing
 
     def start_from(self, counters: RawBreakdown) -> None:
         """Set the live counters to ``counters`` and start a step there (a step's snapshots
@@ -278,9 +278,9 @@ class Counters:
             self.apply(device, cat, delta)
 
     def apply(self, device: str, cat: int, delta: int) -> None:
-        """``add_at`` at once, deferring or not (what a replay of the log does with a change)."""
+        """``add_at`` at once, deferring or not (what a flush or a replay of the log does with a change)."""
         # Every immediate update: written out, no helper calls unless a window is live. ``flush``
-        # has the same lines inline for the ~400 replayed a step: change both together.
+        # has the same lines inline for the ~400 applied a step: change both together.
         cats = self._cur.get(device)
         if cats is None:
             cats = self._cur[device] = [0] * _N
@@ -316,7 +316,7 @@ class Counters:
     def open_window(self, totals_only: bool = False) -> None:
         """Start a nested peak window (a module's forward or backward); ``totals_only``: keep its
         largest totals alone (``close_window_total``), no counters."""
-        if self.pending is not None and not self._replaying:  # deferring, and not the replay's own
+        if self.pending is not None and not self._flushing:  # deferring, and not the flush's own
             self.flush()
         if self._windows:
             self._windows[-1].settle(self._cur)  # it stops receiving offers now
@@ -326,14 +326,14 @@ class Counters:
 
     def open_totals_window(self) -> None:
         """``open_window(totals_only=True)`` for the step recorder's events as a deferring ledger
-        replays them (the replay's own: nothing to flush, and no watch, which never defers)."""
+        flushes them (the flush's own: nothing to flush, and no watch, which never defers)."""
         windows = self._windows
         if windows and windows[-1].live:
             windows[-1].settle(self._cur)
         windows.append(_Window(self._cur, True))
 
     def close_totals_window(self) -> int:
-        """``close_window_total()`` (the innermost) for the replay's events, as ``open_totals_window``."""
+        """``close_window_total()`` (the innermost) for the flush's events, as ``open_totals_window``."""
         windows = self._windows
         if not windows:
             return 0
@@ -370,7 +370,7 @@ class Counters:
     def _close_window(self, index: int) -> _Window | None:
         # End the window at ``index`` (-1: the innermost), folding what the windows opened after it
         # have seen into it, and it into the enclosing one; None when no window is open.
-        if self.pending is not None and not self._replaying:  # deferring, and not the replay's own
+        if self.pending is not None and not self._flushing:  # deferring, and not the flush's own
             self.flush()
         windows = self._windows
         if not windows:
@@ -406,7 +406,7 @@ class Counters:
 
     def snap(self) -> Snap:
         """The current counters as a snapshot (``Snap``: what the step recorder keeps)."""
-        if self.pending and not self._replaying:
+        if self.pending and not self._flushing:
             self.flush()
         return snap_of(self._cur)
 

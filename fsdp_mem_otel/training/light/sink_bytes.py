@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from fsdp_mem_otel.training.ledger import Ledger, storages_of
+from fsdp_mem_otel.training.light.ledger import Ledger, storages_of
 
 
 class LedgerCalls:

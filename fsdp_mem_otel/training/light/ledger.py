@@ -6,7 +6,7 @@ subtracts their bytes when the storage is freed, so the ledger never keeps memor
 whose lifetime FSDP's own events tell (light mode's per-group accounts) are added and subtracted
 as plain integers with ``add``. Either way the bytes land in ``counters.Counters`` (the ledger's
 base): per device and category, with the step's and each window's peaks, applied at once or
-deferred and replayed when read (light mode).
+deferred and applied when read (light mode: ``flush``).
 
 The ledger knows tensors and storages but nothing about FSDP.
 """
@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp_mem_otel import env
 from fsdp_mem_otel.schema import DeviceBreakdown, breakdown_of
-from fsdp_mem_otel.training.counters import INDEX, Counters, RawBreakdown, Snap, snap_of
+from fsdp_mem_otel.training.light.counters import INDEX, Counters, RawBreakdown, Snap, snap_of
 
 # The CUDA caching allocator rounds every block up to 512 bytes (same rule as upstream MemTracker).
 _CUDA_MIN_BLOCK = 512 if os.environ.get(env.PYTORCH_NO_CUDA_MEMORY_CACHING, "0") == "0" else 1
@@ -84,7 +84,7 @@ class Ledger(Counters):
         #: FSDP module -> bytes of the storages it owns (``track_new(..., owner=)``) alive now
         self.owner_bytes: dict[str, int] = {}
         super().__init__()
-        #: bytes of tracked storages freed since, per category (read without replaying the log)
+        #: bytes of tracked storages freed since, per category (read without flushing the log)
         self.freed = [0] * len(INDEX)
         self._devices: dict[torch.device, tuple[str, int]] = {}  # device -> (name, block)
         self._on_free = _free_callback(self.entries, weakref.ref(self))
@@ -221,7 +221,7 @@ class Ledger(Counters):
             self.owner_bytes[entry.owner] += delta
 
     def _relabel(self, entry: _Entry, cat: int) -> None:
-        # Two changes (queued where the ledger defers, so a replay of the step sees them): the
+        # Two changes (queued where the ledger defers, so the step's replay sees them): the
         # total dips and comes back, so the peaks it still is are kept first and none is made.
         n = entry.nbytes
         if n:

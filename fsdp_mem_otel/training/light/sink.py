@@ -3,7 +3,7 @@
 ``Sink`` is the ``EventSink`` the adapters see. Every call is contained (a failure goes to
 ``on_error`` and never reaches FSDP) and does O(1) work: a state event takes one snapshot of the
 ledger's counters and opens or closes a peak window (``StepRecorder``; in light mode the event
-and the counter changes are only queued, and replayed in order when the counters are read:
+and the counter changes are only queued, and applied in order when the counters are read:
 ``counters.Counters.defer``); light mode's saved tensors are accounted by autograd's
 saved-tensor hooks (``SavedTensorAccounting``), pushed while the outermost FSDP forward runs (from
 its after_pre_forward) and, for an FSDP module recomputed inside a checkpointed region, while it is
@@ -33,12 +33,12 @@ from fsdp_mem_otel.schema import (
     BEFORE_POST_FORWARD,
     BEFORE_PRE_FORWARD,
 )
-from fsdp_mem_otel.training.activations import SavedTensorAccounting
 from fsdp_mem_otel.training.adapters.base import tensors_in
 from fsdp_mem_otel.training.deep import release_backend_buffers
-from fsdp_mem_otel.training.ledger import INDEX, Ledger
-from fsdp_mem_otel.training.recorder import StepRecorder
-from fsdp_mem_otel.training.sink_bytes import LedgerCalls
+from fsdp_mem_otel.training.light.activations import SavedTensorAccounting
+from fsdp_mem_otel.training.light.ledger import INDEX, Ledger
+from fsdp_mem_otel.training.light.recorder import StepRecorder
+from fsdp_mem_otel.training.light.sink_bytes import LedgerCalls
 
 _in_backward = torch._C._current_graph_task_id
 _ACTIVATION = INDEX[ACTIVATION]
@@ -48,7 +48,7 @@ _time_ns = time.time_ns  # bound once: ~140 calls a step
 #: step); a counter, not a random draw, so that the same run makes the same calls
 _TIMED_EVERY = 13
 _POST_FORWARD = frozenset({BEFORE_POST_FORWARD, AFTER_POST_FORWARD})
-#: a deferring ledger replays once this many changes and events wait (a loop without step())
+#: a deferring ledger flushes once this many changes and events wait (a loop without step())
 _FLUSH_AT = 1 << 16
 
 
@@ -99,11 +99,11 @@ class Sink(LedgerCalls):
         self._record_state = recorder.on_state
         #: (module key, output tensor) walked at before_post_forward, until its after_post_forward
         self._outputs: tuple[str, weakref.ref[torch.Tensor]] | None = None
-        ledger.on_replay_error = on_error  # a deferred event that fails counts like one at once
+        ledger.on_flush_error = on_error  # a deferred event that fails counts like one at once
 
     def end_step(self) -> None:
         """Between steps: pop saved-tensor hooks a forward that raised left pushed, reset depths,
-        replay what the ledger deferred."""
+        flush what the ledger deferred."""
         try:
             self.ledger.flush()
         except Exception as exc:  # noqa: BLE001
@@ -115,7 +115,7 @@ class Sink(LedgerCalls):
         self._outputs = None
         self.modules.clear()
         self._on_state_ns = 0
-        self.ledger.replay_seconds = 0.0
+        self.ledger.flush_seconds = 0.0
 
     # -- states and windows ---------------------------------------------------------------------
     def on_state(self, key: str, state: str, tensors: object = None, windowed: bool = True) -> None:
@@ -155,7 +155,7 @@ class Sink(LedgerCalls):
             pending = self.ledger.pending
             if pending is None:
                 self.recorder.on_state(key, state, in_backward, windowed, t)
-            else:  # ``Counters.queue`` written out (the hot path): replayed when read, with this time
+            else:  # ``Counters.queue`` written out (the hot path): applied when read, with this time
                 pending.extend((self._record_state, 5, key, state, in_backward, windowed, t))
             if state == AFTER_POST_FORWARD:  # a module's forward ends (or its recompute)
                 if self._sample is not None:
@@ -224,10 +224,10 @@ class Sink(LedgerCalls):
     @property
     def overhead(self) -> float:
         """Seconds this step in ``on_state`` (timed on one call in ``_TIMED_EVERY``, counted for
-        each) and in replaying the ledger's queued work (light mode: what on_state did in place
+        each) and in flushing the ledger's queued work (light mode: what on_state did in place
         before); the other hooks are not timed (a timer at each of ~600 calls a step would cost
         more than it tells)."""
-        return self._on_state_ns / 1e9 + self.ledger.replay_seconds
+        return self._on_state_ns / 1e9 + self.ledger.flush_seconds
 
     def open_window(self, key: str, peak_state: str) -> None:
         """Start module ``key``'s peak window (for states reported ``windowed=False``)."""
@@ -254,7 +254,7 @@ class Sink(LedgerCalls):
                 self.report_error(exc)
 
     def _record(self, event: Callable[..., None], *args: Any) -> None:
-        # a recorder event, with its time: now, or replayed where the ledger defers
+        # a recorder event, with its time: now, or at the flush where the ledger defers
         self.ledger.queue(event, *args, time.time_ns())
 
     def _note_raising_forward(self) -> None:

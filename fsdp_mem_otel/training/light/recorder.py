@@ -44,7 +44,7 @@ from fsdp_mem_otel.schema import (
     ModuleReport,
     largest_total,
 )
-from fsdp_mem_otel.training.counters import INDEX, Counters, RawBreakdown, Snap
+from fsdp_mem_otel.training.light.counters import INDEX, Counters, RawBreakdown, Snap
 
 logger = logging.getLogger(__name__)
 
