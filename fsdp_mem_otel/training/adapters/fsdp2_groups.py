@@ -291,6 +291,9 @@ class LightGroup:
         self._unsharded = self._post_forward = self._pending_ag = 0
         self._grads = self._accumulated = self._sharded_grads = 0
         self._sg_dev = self.dev
+        #: the sharded gradients were sized from what existed at ``sync``, not after a
+        #: post-backward: some parameters may have had none then
+        self._sg_from_sync = False
         #: FSDP holds an all-gather result that ``wait_for_unshard`` has not consumed yet (seen at
         #: unshard or sync; its bytes, where counted, are ``_pending_ag``)
         self.all_gather_seen = False
@@ -400,6 +403,10 @@ class LightGroup:
                     self._rs_full = reduce_scatter_bytes
                 elif reduce_scatter_bytes != self._rs_full:
                     self.unfit = "a parameter without a gradient in a step, or with one"
+            if self._sg_from_sync:  # sized once more, now that this backward made its gradients
+                self._sg_from_sync, self._sharded_grads_full = False, None
+                sink.add(self._sg_dev, _SG, -self._sharded_grads)
+                self._sharded_grads = 0
             if not self._sharded_grads and self.params[0].sharded_param.grad is not None:
                 self._learn_sharded_grads()
                 sink.add(self._sg_dev, _SG, self._sharded_grads)
@@ -452,6 +459,7 @@ class LightGroup:
         if not self._sharded_grads and self.params and self.params[0].sharded_param.grad is not None:
             self._learn_sharded_grads()
             self._sink.add(self._sg_dev, _SG, self._sharded_grads)
+            self._sg_from_sync = True
 
     def drop_counts(self) -> None:
         """Subtract everything counted (before per-tensor accounting takes over)."""
