@@ -106,8 +106,8 @@ def allocator_reads(calls: int = 2000) -> dict[str, Any]:
     from fsdp_mem_otel.training import allocator
 
     model, opt, ids = cuda_llama.build()
-    tracker = FSDPMemoryTracker(model, opt, mode="light").attach()
-    probe = tracker._probe
+    tracker = FSDPMemoryTracker(model, opt, config=TrackerConfig(mode="light", reset_peaks=False)).attach()
+    probe = tracker._probe  # sampling: reset_peaks (the default on CUDA) has no sampler
     counted = {"sample": 0}
     sample = probe.sample
 
@@ -124,6 +124,8 @@ def allocator_reads(calls: int = 2000) -> dict[str, Any]:
     cuda_llama.train_step(model, opt, ids)
     tracker.step()
     per_step = counted["sample"]
+    edges = allocator.AllocatorProbe([0], reset_peaks=True)
+    edges.start()  # takes the peak counters (the script's view shadowed) until stop()
     reads = {
         "AllocatorProbe.sample": sample,
         "memory_stats_as_nested_dict": lambda: torch.cuda.memory_stats_as_nested_dict(0),
@@ -131,7 +133,7 @@ def allocator_reads(calls: int = 2000) -> dict[str, Any]:
         "memory_allocated": lambda: torch.cuda.memory_allocated(0),
         "mem_get_info": lambda: torch.cuda.mem_get_info(0),
         "AllocatorProbe.step_stats": lambda: probe.step_stats({"cuda:0": 0}),
-        "AllocatorProbe.window_edge (light_allocator)": allocator.AllocatorProbe([0], reset_peaks=True).window_edge,
+        "AllocatorProbe.window_edge (light_allocator)": edges.window_edge,  # read, fold the shadow, reset
     }
     out: dict[str, Any] = {"sample_calls_per_step": per_step, "allocator_module": allocator.__name__}
     for name, fn in reads.items():
@@ -140,6 +142,7 @@ def allocator_reads(calls: int = 2000) -> dict[str, Any]:
         for _ in range(calls):
             fn()
         out[f"{name}_us"] = (time.perf_counter() - t0) / calls * 1e6
+    edges.stop()
     tracker.detach()
     return out
 

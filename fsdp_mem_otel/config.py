@@ -60,6 +60,8 @@ DEFAULT_JSONL_MODULES_EVERY = 100
 DEFAULT_JSONL_MODULES_CHANGE = 0.05
 _C = TypeVar("_C")
 _TRUE = {"1", "true", "yes", "on"}
+#: bool fields whose default None means "decided at runtime" (``auto`` in the environment)
+_AUTO_BOOLS = {"reset_peaks"}
 _FALSE = {"0", "false", "no", "off"}
 
 
@@ -77,8 +79,12 @@ class TrackerConfig:
             resets them at every module window's edges and at the step end, reports the
             allocator's exact per-step peaks, and adds to each window's and the step's ``temp``
             what the allocator held beyond the tracked tensors (op temporaries light mode does
-            not see; ``allocator_temps.py``), about 12 us per edge. Off by default: the tracker
-            never touches the user's peaks and reports the maxima it sampled at FSDP hooks.
+            not see; ``allocator_temps.py``), about 12 us per edge. The training script's own
+            peak statistics (``torch.cuda.max_memory_allocated``, ``memory_stats()``'s
+            ``*.peak``, ``torch.accelerator.max_memory_*``) and its resets keep working as
+            without the tracker (``shadow_peaks.py``). None (default): on where CUDA is
+            available; False (``FSDP_MEM_OTEL_RESET_PEAKS=0``): the counters are never touched
+            and the allocator's peaks are sampled at FSDP hooks, missing what lies between two.
         activations: light mode accounts the tensors autograd saves for backward during FSDP
             forwards as ``activation`` (saved-tensor hooks; see activations.py). Turn off for
             models that call ``torch.func`` transforms inside an FSDP module's forward.
@@ -95,7 +101,7 @@ class TrackerConfig:
     deep_every: int = 0
     max_errors: int = 100
     enabled: bool = True
-    reset_peaks: bool = False
+    reset_peaks: bool | None = None
     activations: bool = True
     deep_when_compiled: str = "skip"
     leak_window: int = 30
@@ -110,8 +116,11 @@ class TrackerConfig:
         check_int("deep_every", self.deep_every)
         check_int("max_errors", self.max_errors)
         check_int("leak_window", self.leak_window, 10)
-        for name in ("enabled", "reset_peaks", "activations"):
+        for name in ("enabled", "activations"):
             check_bool(name, getattr(self, name))
+        if self.reset_peaks is not None and not isinstance(self.reset_peaks, bool):
+            raise TypeError("reset_peaks must be a bool or None (None: on where CUDA is available); got "
+                            f"{type(self.reset_peaks).__name__} {self.reset_peaks!r}")
 
     def is_deep(self, step: int) -> bool:
         """Whether 1-based step ``step`` runs in deep mode."""
@@ -351,13 +360,16 @@ def _from_env(cls: type[_C], mapping: Mapping[str, str], env: Mapping[str, str] 
 
 def _parse(cls: type, var: str, name: str, raw: str) -> object:
     default = getattr(cls, name)
-    if isinstance(default, bool):
+    if name in _AUTO_BOOLS and raw.strip().lower() == "auto":
+        return None
+    if isinstance(default, bool) or name in _AUTO_BOOLS:
         low = raw.strip().lower()
         if low in _TRUE:
             return True
         if low in _FALSE:
             return False
-        raise ValueError(f"{var} must be one of 1/0/true/false/yes/no/on/off; got {raw!r}")
+        auto = "/auto" if name in _AUTO_BOOLS else ""
+        raise ValueError(f"{var} must be one of 1/0/true/false/yes/no/on/off{auto}; got {raw!r}")
     if isinstance(default, int):
         try:
             return int(raw)

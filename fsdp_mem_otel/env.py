@@ -18,7 +18,9 @@ FSDP_MEM_OTEL_MAX_ERRORS = "FSDP_MEM_OTEL_MAX_ERRORS"
 FSDP_MEM_OTEL_ENABLED = "FSDP_MEM_OTEL_ENABLED"
 """``0``/``false``: the tracker does nothing and opens no exporter."""
 FSDP_MEM_OTEL_RESET_PEAKS = "FSDP_MEM_OTEL_RESET_PEAKS"
-"""``1``: reset the CUDA allocator's peak counters at every step end (default: never touched)."""
+"""``0``: never reset the CUDA allocator's peak counters (light mode then misses op temporaries);
+``1``: reset them at every window edge and step end; ``auto`` or unset (default): ``1`` where CUDA
+is available. The training script's own peak readers are shadowed either way (``shadow_peaks.py``)."""
 FSDP_MEM_OTEL_ACTIVATIONS = "FSDP_MEM_OTEL_ACTIVATIONS"
 """``0``: light mode does not account saved activations (saved-tensor hooks off)."""
 FSDP_MEM_OTEL_DEEP_WHEN_COMPILED = "FSDP_MEM_OTEL_DEEP_WHEN_COMPILED"

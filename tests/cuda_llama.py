@@ -100,8 +100,11 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) 
 
 
 def _peaks() -> tuple[int, int]:
-    stats = torch.cuda.memory_stats()
-    return int(stats[_ACTIVE]), int(stats[_ALLOCATED])
+    # the live counters (a resetting tracker shadows torch.cuda.memory_stats for the script)
+    from fsdp_mem_otel.training.shadow_peaks import raw_stats
+
+    stats = raw_stats(torch.cuda.current_device())
+    return int(stats["active_bytes"]["all"]["peak"]), int(stats["allocated_bytes"]["all"]["peak"])
 
 
 @dataclass

@@ -26,6 +26,8 @@ def test_deep_every_marks_every_nth_step() -> None:
         ({"deep_every": True}, TypeError, "deep_every"),
         ({"max_errors": "3"}, TypeError, "max_errors"),
         ({"enabled": "yes"}, TypeError, "enabled"),
+        ({"reset_peaks": "yes"}, TypeError, r"reset_peaks must be a bool or None \(None: on where CUDA is"),
+        ({"reset_peaks": 1}, TypeError, "reset_peaks"),
     ],
 )
 def test_bad_values_name_the_argument(kwargs: dict, exc: type, needle: str) -> None:
@@ -45,6 +47,16 @@ def test_from_env_reads_and_validates() -> None:
     assert TrackerConfig.from_env({"FSDP_MEM_OTEL_MODE": "deep"}, mode="light").mode == "light"
     with pytest.raises(TypeError, match="unknown config field 'colour'"):
         TrackerConfig.from_env({}, colour="red")
+
+
+def test_reset_peaks_is_decided_where_cuda_is_unless_set() -> None:
+    assert TrackerConfig().reset_peaks is None  # the tracker resolves it: on where CUDA is available
+    assert TrackerConfig(reset_peaks=False).reset_peaks is False
+    for raw, value in (("0", False), ("off", False), ("1", True), ("auto", None), ("AUTO", None), ("", None)):
+        assert TrackerConfig.from_env({"FSDP_MEM_OTEL_RESET_PEAKS": raw}).reset_peaks is value, raw
+    with pytest.raises(ValueError, match="FSDP_MEM_OTEL_RESET_PEAKS must be one of 1/0/.*/auto; got 'sometimes'"):
+        TrackerConfig.from_env({"FSDP_MEM_OTEL_RESET_PEAKS": "sometimes"})
+    assert TrackerConfig.from_env({"FSDP_MEM_OTEL_RESET_PEAKS": "0"}, reset_peaks=None).reset_peaks is None
 
 
 def test_export_config_from_env_and_validation(tmp_path) -> None:  # type: ignore[no-untyped-def]

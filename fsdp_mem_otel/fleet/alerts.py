@@ -47,7 +47,11 @@ REC_RANK_PEAK = "namespace_job_name_rank:fsdp_mem_step_peak_bytes:max"
 REC_JOB_PEAK_MAX = "namespace_job_name:fsdp_mem_step_peak_bytes:max"
 REC_JOB_PEAK_MIN = "namespace_job_name:fsdp_mem_step_peak_bytes:min"
 REC_JOB_RANK_SKEW = "namespace_job_name:fsdp_mem_step_peak_bytes:rank_skew_ratio"
-REC_DEVICE_RATIO = "namespace_job_name_rank_device:fsdp_mem_step_peak_bytes:device_total_ratio"
+#: per rank x CUDA device: what runs out on the device, the largest of the tracked step peak and the
+#: allocator's allocated, active and reserved peaks of the step (``device_peak_expression``)
+REC_RANK_DEVICE_PEAK = "namespace_job_name_rank_device:fsdp_mem_device_peak_bytes:max"
+#: ... over the device's total memory (FsdpMemNearDeviceCapacity)
+REC_DEVICE_RATIO = "namespace_job_name_rank_device:fsdp_mem_device_peak_bytes:device_total_ratio"
 #: per job x category: the largest step-peak bytes of the category over the job's ranks
 REC_JOB_CATEGORY_PEAK = "namespace_job_name_category:fsdp_mem_step_peak_bytes:max"
 #: per job x module x phase: the module's peak over the ranks ...
@@ -70,40 +74,51 @@ REC_JOB_STALE = "namespace_job_name:fsdp_mem_sidecar_rank_stale:sum"
 REC_JOB_OOMS = "namespace_job_name:fsdp_mem_allocator_ooms_total:sum"
 REC_JOB_RETRIES = "namespace_job_name:fsdp_mem_allocator_alloc_retries_total:sum"
 REC_JOB_ERRORS = "namespace_job_name_component:fsdp_mem_errors_total:sum"
-#: the job's lowest headroom: device total minus step peak, over its ranks' CUDA devices
+#: the job's lowest headroom: device total minus device peak (REC_RANK_DEVICE_PEAK), over its ranks' CUDA devices
 REC_JOB_HEADROOM = "namespace_job_name:fsdp_mem_device_headroom_bytes:min"
 #: the job's largest process resident bytes (CPU-only jobs' stand-in for headroom)
 REC_JOB_RESIDENT = "namespace_job_name:fsdp_mem_process_resident_bytes:max"
-REC_JOB_DEVICE_RATIO = "namespace_job_name:fsdp_mem_step_peak_bytes:device_total_ratio_max"
+REC_JOB_DEVICE_RATIO = "namespace_job_name:fsdp_mem_device_peak_bytes:device_total_ratio_max"
+#: the job's largest allocator reserved peak (over its ranks' CUDA devices), beside REC_JOB_PEAK_MAX
+REC_JOB_RESERVED_PEAK = "namespace_job_name:fsdp_mem_allocator_reserved_peak_bytes:max"
+#: the job's largest gap, over its ranks' CUDA devices, between the allocator's reserved peak and
+#: the tracked step peak: what the tracker's categories do not show (cache, fragmentation, and op
+#: temporaries where the allocator's peaks are not reset)
+REC_JOB_PEAK_GAP = "namespace_job_name:fsdp_mem_allocator_peak_gap_bytes:max"
 #: the oldest last-step timestamp over the job's ranks (its slowest rank)
 REC_JOB_LAST_STEP = "namespace_job_name:fsdp_mem_last_step_timestamp_seconds:min"
 #: the largest tracker overhead over step time among the job's ranks
 REC_JOB_OVERHEAD = "namespace_job_name:fsdp_mem_step_overhead_seconds:max_ratio"
 #: per job x category: the fastest-growing rank's leak growth, bytes per step (only while one grows)
 REC_JOB_CATEGORY_LEAK = "namespace_job_name_category:fsdp_mem_leak_growth_bytes_per_step:max"
-#: per rank x CUDA device: hours until the step peak or the step-end bytes reach the device's
-#: capacity at their steady growth over ``RuleConfig.forecast_window`` (see ``forecast_expression``)
+#: per rank x CUDA device: hours until the device peak (REC_RANK_DEVICE_PEAK) or the step-end bytes
+#: reach the device's capacity at their steady growth over ``RuleConfig.forecast_window``
+#: (see ``forecast_expression``)
 REC_RANK_HOURS = "namespace_job_name_rank_device:fsdp_mem_hours_to_capacity:predict_linear"
 #: ... and per job, its first rank to get there
 REC_JOB_HOURS = "namespace_job_name:fsdp_mem_hours_to_capacity:min"
 RECORDING_NAMES: tuple[str, ...] = (REC_RANK_PEAK, REC_JOB_PEAK_MAX, REC_JOB_PEAK_MIN, REC_JOB_RANK_SKEW,
-                                    REC_DEVICE_RATIO, REC_JOB_CATEGORY_PEAK, REC_JOB_CATEGORY_PEAK_MIN,
+                                    REC_RANK_DEVICE_PEAK, REC_DEVICE_RATIO, REC_JOB_CATEGORY_PEAK,
+                                    REC_JOB_CATEGORY_PEAK_MIN,
                                     REC_JOB_CATEGORY_CURRENT, REC_JOB_MODULE_PEAK, REC_JOB_MODULE_PEAK_RANK,
                                     REC_JOB_MODULE_SKEW, REC_JOB_MODULE_FORWARD, REC_JOB_RANKS, REC_JOB_STALE,
                                     REC_JOB_OOMS, REC_JOB_RETRIES, REC_JOB_ERRORS, REC_JOB_HEADROOM,
-                                    REC_JOB_RESIDENT, REC_JOB_DEVICE_RATIO, REC_JOB_LAST_STEP, REC_JOB_OVERHEAD,
+                                    REC_JOB_RESIDENT, REC_JOB_DEVICE_RATIO, REC_JOB_RESERVED_PEAK,
+                                    REC_JOB_PEAK_GAP, REC_JOB_LAST_STEP, REC_JOB_OVERHEAD,
                                     REC_JOB_CATEGORY_LEAK, REC_RANK_HOURS, REC_JOB_HOURS)
 #: labels a job x module series keeps
 MODULE = (*JOB, "module", "phase")
 #: every recorded series and the labels it keeps (dashboards read these for fleet-wide panels)
 RECORDED_LABELS: dict[str, tuple[str, ...]] = {
     REC_RANK_PEAK: RANK, REC_JOB_PEAK_MAX: JOB, REC_JOB_PEAK_MIN: JOB, REC_JOB_RANK_SKEW: JOB,
-    REC_DEVICE_RATIO: (*RANK, "device"), REC_JOB_CATEGORY_PEAK: (*JOB, "category"),
+    REC_RANK_DEVICE_PEAK: (*RANK, "device"), REC_DEVICE_RATIO: (*RANK, "device"),
+    REC_JOB_CATEGORY_PEAK: (*JOB, "category"),
     REC_JOB_CATEGORY_PEAK_MIN: (*JOB, "category"), REC_JOB_CATEGORY_CURRENT: (*JOB, "category"),
     REC_JOB_MODULE_PEAK: MODULE, REC_JOB_MODULE_PEAK_RANK: (*MODULE, "rank"), REC_JOB_MODULE_SKEW: MODULE,
     REC_JOB_MODULE_FORWARD: (*JOB, "module"), REC_JOB_RANKS: JOB, REC_JOB_STALE: JOB, REC_JOB_OOMS: JOB,
     REC_JOB_RETRIES: JOB, REC_JOB_ERRORS: (*JOB, "component"), REC_JOB_HEADROOM: JOB, REC_JOB_RESIDENT: JOB,
-    REC_JOB_DEVICE_RATIO: JOB, REC_JOB_LAST_STEP: JOB, REC_JOB_OVERHEAD: JOB,
+    REC_JOB_DEVICE_RATIO: JOB, REC_JOB_RESERVED_PEAK: JOB, REC_JOB_PEAK_GAP: JOB, REC_JOB_LAST_STEP: JOB,
+    REC_JOB_OVERHEAD: JOB,
     REC_JOB_CATEGORY_LEAK: (*JOB, "category"), REC_RANK_HOURS: (*RANK, "device"), REC_JOB_HOURS: JOB,
 }
 
@@ -191,6 +206,25 @@ def _exact(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(float(x))
 
 
+#: the allocator's peaks of the step that ``device_peak_expression`` weighs against the tracked one
+ALLOCATOR_PEAKS: tuple[cat.Metric, ...] = (cat.ALLOCATED_PEAK_BYTES, cat.ACTIVE_PEAK_BYTES, cat.RESERVED_PEAK_BYTES)
+
+
+def device_peak_expression() -> str:
+    """Per rank x CUDA device: the largest of the tracked step peak (category total) and the
+    allocator's allocated, active and reserved peaks of the step. On CUDA an OOM is decided by the
+    allocator: a cudaMalloc fails when reserved memory cannot grow, and the tracked peak leaves out
+    what no tracked tensor holds (the allocator's cache and fragmentation, cuBLAS workspaces, and op
+    temporaries where the tracker does not reset the allocator's peaks). Each source is labelled
+    (``peak``) so that ``or`` keeps them all; a rank without allocator peaks (older trackers) keeps
+    its tracked one."""
+    per = _by((*RANK, "device"))
+    parts = [(f'{cat.STEP_PEAK_BYTES.name}{{category="total",device=~"cuda.*"}}', "tracked")]
+    parts += [(f'{m.name}{{device=~"cuda.*"}}', m.source.removesuffix("_peak_bytes")) for m in ALLOCATOR_PEAKS]
+    body = "or\n".join(f'label_replace(max by ({per}) ({s}), "peak", "{name}", "", "")\n' for s, name in parts)
+    return f"max by ({per}) (\n{_indent(body)})\n"
+
+
 def recording_rules(cfg: RuleConfig | None = None) -> list[dict[str, Any]]:
     """Recording rules: cheap per-rank / per-job step peaks, rank skew, device capacity used, and
     the fleet's pre-aggregation: per job x category and per job x module (max over ranks, the
@@ -209,10 +243,11 @@ def recording_rules(cfg: RuleConfig | None = None) -> list[dict[str, Any]]:
             "record": REC_JOB_RANK_SKEW,
             "expr": f"({REC_JOB_PEAK_MAX} - {REC_JOB_PEAK_MIN})\n/ ({REC_JOB_PEAK_MAX} > 0)\n",
         },
+        {"record": REC_RANK_DEVICE_PEAK, "expr": device_peak_expression()},
         {
             "record": REC_DEVICE_RATIO,
             "expr": (
-                f'max by ({_by((*RANK, "device"))}) ({cat.STEP_PEAK_BYTES.name}{{category="total",device=~"cuda.*"}})\n'
+                f'{REC_RANK_DEVICE_PEAK}\n'
                 f'/ on ({_by((*RANK, "device"))})\n'
                 f'max by ({_by((*RANK, "device"))}) ({device_total} > 0)\n'
             ),
@@ -237,10 +272,11 @@ def recording_rules(cfg: RuleConfig | None = None) -> list[dict[str, Any]]:
 
 
 def forecast_expression(c: RuleConfig) -> str:
-    """Per rank x CUDA device: in how many hours the step peak, or the step-end bytes, reach the
-    device's capacity (``fsdp_mem_device_total_bytes``), the sooner of the two.
+    """Per rank x CUDA device: in how many hours the device peak (``REC_RANK_DEVICE_PEAK``: the
+    largest of the tracked step peak and the allocator's peaks of the step), or the step-end bytes,
+    reach the device's capacity (``fsdp_mem_device_total_bytes``), the sooner of the two.
 
-    For each series ``s`` (category total): the least-squares line over ``forecast_window``
+    For each series ``s``: the least-squares line over ``forecast_window``
     (``predict_linear(s[w], 0)``, where it stands now, and ``deriv(s[w])``, its slope) meets the
     capacity after ``(capacity - predict_linear(s[w], 0)) / deriv(s[w])`` seconds (0 once past it).
     Only steady growth counts: ``s`` grew over the window and over each of its halves, and it was
@@ -253,8 +289,7 @@ def forecast_expression(c: RuleConfig) -> str:
     on = f"on ({per})"
     capacity = f"max by ({per}) ({cat.selector(cat.DEVICE_TOTAL_BYTES)} > 0)"
 
-    def one(metric: cat.Metric, series: str) -> str:
-        s = f'{metric.name}{{category="total",device=~"cuda.*"}}'
+    def one(s: str, series: str) -> str:
         hours = (f"clamp_min(\n  (\n    {capacity}\n    - {on}\n"
                  f"    max by ({per}) (predict_linear({s}[{w}], 0))\n  )\n"
                  f"  / {on}\n  (max by ({per}) (deriv({s}[{w}])) > 0)\n  / 3600,\n  0\n)\n")
@@ -263,8 +298,9 @@ def forecast_expression(c: RuleConfig) -> str:
                   f"and {on}\nmax by ({per}) ({s} offset {w})\n")
         return f'label_replace(\n{_indent(hours + steady)}  , "series", "{series}", "", ""\n)\n'
 
-    return (f"min by ({per}) (\n{_indent(one(cat.STEP_PEAK_BYTES, 'step_peak'))}or\n"
-            f"{_indent(one(cat.CURRENT_BYTES, 'step_end'))})\n")
+    step_end = f'{cat.CURRENT_BYTES.name}{{category="total",device=~"cuda.*"}}'
+    return (f"min by ({per}) (\n{_indent(one(REC_RANK_DEVICE_PEAK, 'peak'))}or\n"
+            f"{_indent(one(step_end, 'step_end'))})\n")
 
 
 def leak_expression(c: RuleConfig) -> str:
@@ -291,8 +327,8 @@ def _job_rules() -> list[dict[str, Any]]:
     """Per job (x category, module or component): what the fleet overview and the job drill-down's
     all-rank panels read, one series per job instead of one per rank."""
     peak = cat.STEP_PEAK_BYTES.name
-    peak_total = cat.selector(cat.STEP_PEAK_BYTES, category="total")
     cuda_peak = f'{peak}{{category="total",device=~"cuda.*"}}'
+    reserved_peak = f'{cat.RESERVED_PEAK_BYTES.name}{{device=~"cuda.*"}}'
     device_total = cat.selector(cat.DEVICE_TOTAL_BYTES)
     per_rank_overhead = (f"{_per_rank(cat.OVERHEAD_SECONDS.name)}\n/ on ({_by(RANK)})\n"
                          f"({_per_rank(cat.STEP_DURATION_SECONDS.name)} > 0)")
@@ -312,11 +348,13 @@ def _job_rules() -> list[dict[str, Any]]:
                                            f"({_per_rank(cat.ERRORS_TOTAL.name, 'component')})"},
         {"record": REC_JOB_HEADROOM,
          "expr": (f"min by ({_by(JOB)}) (\n  {_per_rank(device_total, 'device')}\n  - on ({_by(RANK)}, device)\n"
-                  f"  {_per_rank(peak_total, 'device')}\n)\n")},
+                  f"  {REC_RANK_DEVICE_PEAK}\n)\n")},
         {"record": REC_JOB_RESIDENT, "expr": f"max by ({_by(JOB)}) ({cat.RESIDENT_BYTES.name})"},
-        {"record": REC_JOB_DEVICE_RATIO,
-         "expr": (f"max by ({_by(JOB)}) (\n  {_per_rank(cuda_peak, 'device')}\n  / on ({_by(RANK)}, device)\n"
-                  f"  {_per_rank(device_total + ' > 0', 'device')}\n)\n")},
+        {"record": REC_JOB_DEVICE_RATIO, "expr": f"max by ({_by(JOB)}) ({REC_DEVICE_RATIO})"},
+        {"record": REC_JOB_RESERVED_PEAK, "expr": f"max by ({_by(JOB)}) ({reserved_peak})"},
+        {"record": REC_JOB_PEAK_GAP,
+         "expr": (f"max by ({_by(JOB)}) (\n  {_per_rank(reserved_peak, 'device')}\n  - on ({_by(RANK)}, device)\n"
+                  f"  {_per_rank(cuda_peak, 'device')}\n)\n")},
         {"record": REC_JOB_LAST_STEP,
          "expr": f"min by ({_by(JOB)}) ({_per_rank(cat.LAST_STEP_TIMESTAMP_SECONDS.name)})"},
         {"record": REC_JOB_OVERHEAD, "expr": f"max by ({_by(JOB)}) (\n{per_rank_overhead}\n)\n"},
@@ -361,14 +399,16 @@ def alert_rules(cfg: RuleConfig | None = None) -> list[dict[str, Any]]:
             "FsdpMemNearDeviceCapacity",
             f"{REC_DEVICE_RATIO} > {_num(c.capacity_ratio)}\n",
             c.capacity_for, "warning",
-            f"FSDP step peak of {rank} near device capacity",
-            f"The step peak of {rank} on {{{{ $labels.device }}}} uses {{{{ $value | humanizePercentage }}}} "
-            f"of the device's memory (threshold {_num(c.capacity_ratio * 100)}%). An OOM is one larger "
-            "batch or sequence away.",
-            "Check which category dominates the peak (fsdp_mem_step_peak_bytes) and the allocator's "
-            "fragmentation (fsdp_mem_allocator_fragmentation_ratio). Reduce micro-batch size or sequence "
-            "length, enable activation checkpointing, reshard_after_forward=True, or CPU offload of "
-            "optimizer state; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation.",
+            f"Memory peak of {rank} near device capacity",
+            f"The memory peak of {rank} on {{{{ $labels.device }}}} (the largest of the tracked step peak and "
+            f"the allocator's peaks of the step) uses {{{{ $value | humanizePercentage }}}} of the device's "
+            f"memory (threshold {_num(c.capacity_ratio * 100)}%). An OOM is one larger batch or sequence away.",
+            "Compare the tracked step peak (fsdp_mem_step_peak_bytes, by category) with the allocator's "
+            "(fsdp_mem_allocator_reserved_peak_bytes; the allocator correlation dashboard shows both and the "
+            "gap). The categories say what to shrink: reduce micro-batch size or sequence length, enable "
+            "activation checkpointing, reshard_after_forward=True, or CPU offload of optimizer state. A large "
+            "gap is the allocator's cache and fragmentation (fsdp_mem_allocator_fragmentation_ratio): set "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.",
         ),
         _alert(
             "FsdpMemLeak",
@@ -391,9 +431,10 @@ def alert_rules(cfg: RuleConfig | None = None) -> list[dict[str, Any]]:
             f"{REC_RANK_HOURS} < {_num(c.forecast_hours)}\n",
             c.forecast_for, "warning",
             f"{rank} reaches its device's capacity within {_num(c.forecast_hours)}h",
-            f"The step peak or step-end bytes of {rank} on {{{{ $labels.device }}}} have grown steadily over the "
-            f"last {c.forecast_window}; at that rate they reach the device's memory in "
-            f"{{{{ $value | printf \"%.1f\" }}}} hours (threshold {_num(c.forecast_hours)}h).",
+            f"The memory peak (tracked or allocator's, the larger) or step-end bytes of {rank} on "
+            f"{{{{ $labels.device }}}} have grown steadily over the last {c.forecast_window}; at that rate they "
+            f"reach the device's memory in {{{{ $value | printf \"%.1f\" }}}} hours "
+            f"(threshold {_num(c.forecast_hours)}h).",
             "A steady growth of a training job's memory is a leak: see FsdpMemLeak and the job drill-down's "
             "Leaks row (fsdp_mem_leak_growth_bytes_per_step by category, fsdp_mem_step_end_held_bytes by "
             "module). Fix it, or checkpoint and restart before the forecast runs out. Growth that levels off "

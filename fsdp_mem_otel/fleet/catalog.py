@@ -135,8 +135,8 @@ ALLOCATED_BYTES = Metric(
 )
 ALLOCATED_PEAK_BYTES = Metric(
     "fsdp_mem_allocator_allocated_peak_bytes", GAUGE, BYTES,
-    "Largest allocated bytes during the last step, sampled at every FSDP hook and the step end "
-    "(the allocator's own per-step peak with reset_peaks=True).",
+    "The allocator's own peak of allocated bytes during the last step (reset_peaks, the default on CUDA); "
+    "with reset_peaks off, the largest of readings at every FSDP hook and the step end.",
     ("device",), source="allocated_peak_bytes",
 )
 RESERVED_BYTES = Metric(
@@ -146,8 +146,8 @@ RESERVED_BYTES = Metric(
 )
 RESERVED_PEAK_BYTES = Metric(
     "fsdp_mem_allocator_reserved_peak_bytes", GAUGE, BYTES,
-    "Largest reserved bytes during the last step, sampled at every FSDP hook and the step end "
-    "(the allocator's own per-step peak with reset_peaks=True).",
+    "The allocator's own peak of reserved bytes during the last step (reset_peaks, the default on CUDA); "
+    "with reset_peaks off, the largest of readings at every FSDP hook and the step end.",
     ("device",), source="reserved_peak_bytes",
 )
 ACTIVE_BYTES = Metric(
@@ -157,8 +157,8 @@ ACTIVE_BYTES = Metric(
 )
 ACTIVE_PEAK_BYTES = Metric(
     "fsdp_mem_allocator_active_peak_bytes", GAUGE, BYTES,
-    "Largest active bytes during the last step, sampled at every FSDP hook and the step end "
-    "(the allocator's own per-step peak with reset_peaks=True).",
+    "The allocator's own peak of active bytes during the last step (reset_peaks, the default on CUDA); "
+    "with reset_peaks off, the largest of readings at every FSDP hook and the step end.",
     ("device",), source="active_peak_bytes",
 )
 INACTIVE_SPLIT_BYTES = Metric(

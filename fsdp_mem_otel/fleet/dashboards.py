@@ -3,20 +3,24 @@
 Three dashboards, all on one Prometheus data source chosen by the ``datasource`` variable:
 
 - **Fleet overview** (``fleet-overview.json``): every job; step peak per job (largest and
-  smallest rank); headroom to device capacity; OOMs and allocator retries; jobs whose step peak
+  smallest rank); the tracked step peak beside the allocator's reserved peak and the gap between
+  them; headroom to device capacity and the share of it used, from the device peak (the larger of
+  the tracked and the allocator's peaks: what runs out); OOMs and allocator retries; jobs whose step peak
   grew against an earlier window; leak growth per job and category, and hours until each job's
   first rank fills its device at its steady growth (``alerts.forecast_expression``); tracker
   health. Every panel reads the recording rules' per-job series (``alerts.recording_rules``), so
   its cost does not grow with a job's ranks or modules.
 - **Job drill-down** (``job-drilldown.json``): one job; step peak by category and per-module
   forward/backward peaks over all ranks (recorded job x category and job x module series: the
-  largest rank, the rank holding it, the skew); per-rank series for the panels drawn per rank; a
+  largest rank, the rank holding it, the skew); the tracked and allocator peaks and their gap; per-rank
+  series for the panels drawn per rank; a
   rank's own categories and modules for the ranks picked in ``$inspect`` (no All); rank skew;
   step-over-step trend; leaks (growth per category, bytes held at the step end per module, hours
   to device capacity per rank).
 - **Allocator correlation** (``allocator-correlation.json``): a row per rank picked in ``$rank``
   (no All), what the tracker counts next to what the device allocator reports (allocated,
-  reserved, untracked, fragmentation, retries), with the FSDP categories on the same time axis.
+  reserved, their peaks and the gap to the tracked peak, untracked, fragmentation, retries, the
+  device peak's share of capacity), with the FSDP categories on the same time axis.
 
 Fleet budget: at 1,024 ranks x 100 modules no query reads more than 10,000 series
 (tests/dashboards/test_fleet_prometheus.py measures it on a real Prometheus).
@@ -57,6 +61,7 @@ from typing import Any
 
 from fsdp_mem_otel.fleet import catalog as cat
 from fsdp_mem_otel.fleet.alerts import (
+    REC_DEVICE_RATIO,
     REC_JOB_CATEGORY_CURRENT,
     REC_JOB_CATEGORY_LEAK,
     REC_JOB_CATEGORY_PEAK,
@@ -71,10 +76,12 @@ from fsdp_mem_otel.fleet.alerts import (
     REC_JOB_MODULE_SKEW,
     REC_JOB_OOMS,
     REC_JOB_OVERHEAD,
+    REC_JOB_PEAK_GAP,
     REC_JOB_PEAK_MAX,
     REC_JOB_PEAK_MIN,
     REC_JOB_RANK_SKEW,
     REC_JOB_RANKS,
+    REC_JOB_RESERVED_PEAK,
     REC_JOB_RESIDENT,
     REC_JOB_RETRIES,
     REC_JOB_STALE,
@@ -457,13 +464,25 @@ def fleet_overview(sdk: Any) -> Dashboard:
     )
     b.add(table(sdk, "bytes", sort="Value", desc=False, transformations=[_hide_time()]),
           "Headroom to device capacity (lowest first)",
-          "Per job, the smallest device capacity minus tracked step peak over its ranks' devices. Jobs that "
-          "report no device capacity (CPU-only) show their largest host resident bytes instead, named in the "
-          "measure column.",
+          "Per job, the smallest device capacity minus the device peak over its ranks' devices (the larger of "
+          "the tracked step peak and the allocator's peaks of the step: what runs out). Jobs that report no "
+          "device capacity (CPU-only) show their largest host resident bytes instead, named in the measure "
+          "column.",
           [Query(headroom, instant=True, table=True)], 12, 8)
-    b.add(timeseries(sdk, "percentunit"), "Step peak as share of device capacity",
-          "Tracked step peak over the device's total memory, largest over each job's ranks.",
+    b.add(timeseries(sdk, "percentunit"), "Memory peak as share of device capacity",
+          "The device peak (the larger of the tracked step peak and the allocator's allocated, active and "
+          "reserved peaks of the step) over the device's total memory, largest over each job's ranks: what "
+          "FsdpMemNearDeviceCapacity reads.",
           [Query(f"max by ({_JOB}) ({job(REC_JOB_DEVICE_RATIO)})", "{{job_name}}", cuda_only=True)], 12, 8)
+    b.add(timeseries(sdk, "bytes", legend_table=True), "Tracked vs allocator peak per job (largest rank)",
+          "Per job: the largest rank's tracked step peak, the largest allocator reserved peak of the step over "
+          "its ranks' devices, and the largest gap between the two on one device (reserved peak - tracked "
+          "step peak: the allocator's cache and fragmentation, workspaces, and what no tracked tensor held). "
+          "On CUDA the allocator's is what runs out.",
+          [Query(f"max by ({_JOB}) ({job_peak})", "{{job_name}} tracked step peak"),
+           Query(f"max by ({_JOB}) ({job(REC_JOB_RESERVED_PEAK)})", "{{job_name}} allocator reserved peak",
+                 cuda_only=True),
+           Query(f"max by ({_JOB}) ({job(REC_JOB_PEAK_GAP)})", "{{job_name}} gap", cuda_only=True)], 24, 8)
 
     b.row("Regressions")
     earlier = f"max_over_time({job_peak}[$baseline] offset $baseline)"
@@ -489,7 +508,8 @@ def fleet_overview(sdk: Any) -> Dashboard:
     b.add(table(sdk, "h", sort="Value", desc=False, transformations=[_hide_time()],
                 thresholds=_thresholds(sdk, (None, "red"), (6, "yellow"), (24, "green"))),
           "Hours to device capacity per job (soonest first)",
-          "At the steady growth of its step peak or step-end bytes over the rules' forecast window (1h by "
+          "At the steady growth of its device peak (tracked or allocator's, the larger) or step-end bytes over "
+          "the rules' forecast window (1h by "
           "default: growing over the window and each of its halves), hours until the job's first rank reaches "
           "its device's memory (0: past it). Jobs whose memory does not grow steadily are not listed. "
           "FsdpMemCapacityForecast fires below 6h by default.",
@@ -545,6 +565,13 @@ def job_drilldown(sdk: Any) -> Dashboard:
           "Last step: per category, the largest rank's bytes at its step peak (recorded series; $pod and $rank "
           "do not apply).",
           [Query(f"max by (category) ({job(REC_JOB_CATEGORY_PEAK)})", instant=True, table=True)], 24, 7)
+    b.add(timeseries(sdk, "bytes"), "Tracked vs allocator peak (largest rank)",
+          "The largest rank's tracked step peak, the largest allocator reserved peak of the step over the "
+          "job's devices, and the largest gap between the two on one device (recorded series; $pod and $rank "
+          "do not apply). The allocator correlation dashboard has them per rank.",
+          [Query(f"max({job(REC_JOB_PEAK_MAX)})", "tracked step peak"),
+           Query(f"max({job(REC_JOB_RESERVED_PEAK)})", "allocator reserved peak", cuda_only=True),
+           Query(f"max({job(REC_JOB_PEAK_GAP)})", "gap (reserved peak - tracked)", cuda_only=True)], 24, 8)
 
     b.row("Modules")
     b.add(table(sdk, "bytes", transformations=[_matrix("module", "phase")]),
@@ -607,7 +634,7 @@ def job_drilldown(sdk: Any) -> Dashboard:
     b.add(table(sdk, "h", sort="Value", desc=False, transformations=[_hide_time()],
                 thresholds=_thresholds(sdk, (None, "red"), (6, "yellow"), (24, "green"))),
           "Hours to device capacity per rank (soonest first)",
-          "Per rank and CUDA device: hours until its step peak or step-end bytes reach the device's memory at "
+          "Per rank and CUDA device: hours until its device peak or step-end bytes reach the device's memory at "
           "their steady growth over the rules' forecast window (0: past it). Ranks whose memory does not grow "
           "steadily are not listed.",
           [Query(f"min by (rank, device) ({job(REC_RANK_HOURS, ('rank', '=~', '$rank'))})", instant=True,
@@ -679,6 +706,22 @@ def allocator_correlation(sdk: Any) -> Dashboard:
                  "retries {{device}}", cuda_only=True),
            Query(f"max by ({key}) (increase({sel(cat.OOMS_TOTAL, s)}[$__rate_interval]))", "OOMs {{device}}",
                  cuda_only=True)], 6, 8)
+    b.add(timeseries(sdk, "bytes", min0=False), "Allocator peak - tracked step peak",
+          "Per device: the allocator's reserved and allocated peaks of the step minus the tracked step peak. "
+          "Where the tracker resets the allocator's peaks (the default on CUDA) the tracked peak includes op "
+          "temporaries, and the allocated gap is what was allocated before the step's first module (workspaces, "
+          "untracked tensors); the reserved gap adds the allocator's cache and fragmentation.",
+          [Query(f"max by ({key}) ({sel(cat.RESERVED_PEAK_BYTES, s)}) - on ({key}) "
+                 f"max by ({key}) ({total(cat.STEP_PEAK_BYTES, s)})", "reserved peak gap {{device}}", cuda_only=True),
+           Query(f"max by ({key}) ({sel(cat.ALLOCATED_PEAK_BYTES, s)}) - on ({key}) "
+                 f"max by ({key}) ({total(cat.STEP_PEAK_BYTES, s)})", "allocated peak gap {{device}}",
+                 cuda_only=True)], 9, 8)
+    ratio = recorded(REC_DEVICE_RATIO, ("namespace", "=~", "$namespace"), ("job_name", "=", "$job"),
+                     ("rank", "=~", "$rank"))
+    b.add(timeseries(sdk, "percentunit"), "Memory peak as share of device capacity",
+          "The device peak (the larger of the tracked step peak and the allocator's peaks of the step) over "
+          "the device's total memory: what FsdpMemNearDeviceCapacity reads (recorded series).",
+          [Query(f"max by ({key}) ({ratio})", "{{device}}", cuda_only=True)], 9, 8)
     return b.build()
 
 

@@ -29,14 +29,18 @@ The host (key ``"cpu"``), on every run: ``resident_bytes`` (the process RSS, fro
 is not reported for the host: RSS includes the interpreter, libraries and allocator caches, so "RSS
 minus tensors" means nothing useful.
 
-Peaks. The tracker never resets the user's allocator peaks (``torch.cuda.max_memory_allocated``
-and friends belong to the training script) and never empties the cache. So by default the
-``*_peak_bytes`` values are *sampled* maxima: ``AllocatorProbe.sample()`` reads the current
-allocated / reserved / active bytes at every FSDP hook snapshot, and ``step_stats()`` folds in
-the values at the step end; a transient peak between two hooks (inside one module's forward)
-is missed. With ``reset_peaks=True`` the probe instead reports the allocator's own peaks and calls
-``torch.cuda.reset_peak_memory_stats`` at every step end (and at ``start()``), which is exact but
-takes the peak counters away from the user.
+Peaks. Where CUDA is, the tracker owns the allocator's peak counters by default (``reset_peaks``,
+``TrackerConfig``): ``window_edge()`` reads and resets them at every peak-window edge and
+``step_stats()`` at the step end, so the ``*_peak_bytes`` values are the allocator's own peaks of
+the step, temporaries between two hooks included. The training script's peak statistics stay its
+own: while the probe holds them (``start()`` to ``stop()``), ``shadow_peaks`` makes every Python
+reader of torch's peak statistics see what it would see without the tracker, and the script's own
+resets leave the tracker's windows whole. The probe reads and resets through ``shadow_peaks``
+(the unwrapped functions). With ``reset_peaks=False`` the tracker never touches the counters, and
+the ``*_peak_bytes`` values are *sampled* maxima: ``AllocatorProbe.sample()`` reads the current
+allocated / reserved / active bytes at every FSDP hook snapshot, and ``step_stats()`` folds in the
+values at the step end; a transient peak between two hooks (inside one module's forward) is missed.
+The tracker never empties the cache.
 
 The pure arithmetic is in :func:`cuda_stats_from`, which takes a ``memory_stats()`` dict, so it
 is tested on recorded dicts without a GPU.
@@ -49,6 +53,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+
+from fsdp_mem_otel.training import shadow_peaks
 
 CPU_KEY = "cpu"
 
@@ -182,6 +188,27 @@ def _statm_rss() -> int:
     return int(os.pread(_statm[1], 256, 0).split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def resolve_reset_peaks(setting: bool | None) -> bool:
+    """``TrackerConfig.reset_peaks`` as the probe takes it: None (the default) is on where CUDA is
+    available, an explicit bool wins."""
+    return torch.cuda.is_available() if setting is None else bool(setting)
+
+
+def flat_stats(nested: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys ``cuda_stats_from`` reads, flat (``"allocated_bytes.all.current"``), from
+    ``memory_stats_as_nested_dict``: every statistic's ``all`` counters and the plain counts."""
+    out: dict[str, Any] = {}
+    for stat, value in nested.items():
+        if isinstance(value, dict):
+            pool = value.get("all")
+            if isinstance(pool, dict):
+                for counter, v in pool.items():
+                    out[f"{stat}.all.{counter}"] = v
+        else:
+            out[stat] = value
+    return out
+
+
 def _cuda_index(device: str | int | torch.device) -> int:
     if isinstance(device, bool):
         raise TypeError(f"devices must hold CUDA devices (int, 'cuda:N' or torch.device); got {device!r}")
@@ -204,15 +231,16 @@ class AllocatorProbe:
         devices: CUDA devices to watch (int, "cuda:N" or torch.device). None (default): the
             current CUDA device once CUDA is initialized, plus every "cuda:N" the ledger reports
             to ``step_stats``. Ignored on a machine without CUDA.
-        reset_peaks: report the allocator's own peaks and reset them (``reset_peak_memory_stats``)
-            at every step end. Off by default: the peaks belong to the user's script.
+        reset_peaks: report the allocator's own peaks, read and reset at every window edge
+            (``window_edge``) and step end, with the training script's view of them shadowed
+            (``shadow_peaks``) from ``start()`` to ``stop()``. False: sampled maxima, and the
+            counters are never touched. The tracker passes ``resolve_reset_peaks(config)``.
         rss_every: read the process RSS at every ``rss_every``-th step (a system call of tens
             of microseconds); the steps between report the last reading.
 
     ``sample()`` is called at every FSDP hook snapshot and costs one ``memory_stats`` C call per
     watched CUDA device (nothing on CPU, nothing with ``reset_peaks``); ``step_stats()`` once per
-    step. Neither resets the user's peaks (unless ``reset_peaks``) nor empties the cache. Errors
-    propagate: the tracker contains and counts them.
+    step. Nothing here empties the cache. Errors propagate: the tracker contains and counts them.
     """
 
     def __init__(self, devices: Iterable[str | int | torch.device] | None = None, *, reset_peaks: bool = False,
@@ -235,6 +263,10 @@ class AllocatorProbe:
                 self._devices[idx] = f"cuda:{idx}"
         #: device key -> statistic -> the step's sampled maximum
         self._max: dict[str, dict[str, int]] = {}
+        #: with reset_peaks, from start() to stop(): the hold on the peak counters
+        self._peaks: shadow_peaks.PeakClient | None = None
+        #: device indexes whose peaks this probe has reset once (a device found later starts then)
+        self._reset_once: set[int] = set()
 
     @property
     def devices(self) -> list[str]:
@@ -248,15 +280,27 @@ class AllocatorProbe:
             self._devices[idx] = f"cuda:{idx}"
 
     def start(self) -> None:
-        """Begin the first step (the tracker calls this at attach): maxima restart from now."""
+        """Begin the first step (the tracker calls this at attach): maxima restart from now; with
+        ``reset_peaks``, the probe takes the peak counters (the script's view shadowed) and resets them."""
         if not self._cuda:
             return
+        if self.reset_peaks and self._peaks is None:
+            self._peaks = shadow_peaks.acquire()
         self._discover()
         for idx, key in self._devices.items():
-            if self.reset_peaks:
-                torch.cuda.reset_peak_memory_stats(idx)
+            if self._peaks is not None:
+                self._peaks.read_and_reset(idx)
+                self._reset_once.add(idx)
             self._max.pop(key, None)
         self.sample()
+
+    def stop(self) -> None:
+        """Give the peak counters back (the tracker calls this at detach): the last holder puts
+        torch's functions back. Afterwards nothing is reset; ``start()`` takes them again."""
+        peaks, self._peaks = self._peaks, None
+        self._reset_once.clear()
+        if peaks is not None:
+            peaks.release()
 
     @property
     def sampler(self) -> Callable[[], None] | None:
@@ -274,7 +318,7 @@ class AllocatorProbe:
         for idx, key in self._devices.items():
             # The nested dict straight from C: torch.cuda.memory_allocated() would build, flatten
             # and sort the full flat dict for each of the three values.
-            stats = torch.cuda.memory_stats_as_nested_dict(idx)
+            stats = shadow_peaks.raw_stats(idx)
             if not stats:
                 continue
             allocated = stats["allocated_bytes"]["all"]["current"]
@@ -291,20 +335,32 @@ class AllocatorProbe:
             if active > m["active_bytes"]:
                 m["active_bytes"] = active
 
+    def _read_and_reset(self, peaks: shadow_peaks.PeakClient, idx: int) -> dict[str, Any]:
+        """The nested statistics with the peaks since this probe's last reset, then reset. A device
+        reset here for the first time (found after ``start()``) reports its peaks as its current
+        values: what it held before the tracker started is the script's, not this step's."""
+        stats = peaks.read_and_reset(idx)
+        if stats and idx not in self._reset_once:
+            self._reset_once.add(idx)
+            for value in stats.values():
+                if isinstance(value, dict) and isinstance(value.get("all"), dict) and "current" in value["all"]:
+                    value["all"]["peak"] = value["all"]["current"]
+        return stats
+
     def window_edge(self) -> dict[str, tuple[int, int]]:
-        """With ``reset_peaks``: read and reset each watched device's peaks (``AllocatorTemps``
-        calls this at every peak-window edge); device key -> (allocated peak since the last
-        edge, allocated now). The three peaks also go into the step's maxima, which
-        ``step_stats`` reports with the allocator's peak since the last edge."""
+        """With ``reset_peaks`` (between ``start()`` and ``stop()``): read and reset each watched
+        device's peaks (``AllocatorTemps`` calls this at every peak-window edge); device key ->
+        (allocated peak since the last edge, allocated now). The three peaks also go into the
+        step's maxima, which ``step_stats`` reports with the allocator's peak since the last edge."""
         out: dict[str, tuple[int, int]] = {}
-        if not self._cuda or not self.reset_peaks:
+        peaks = self._peaks
+        if peaks is None:
             return out
         self._discover()
         for idx, key in self._devices.items():
-            stats = torch.cuda.memory_stats_as_nested_dict(idx)
+            stats = self._read_and_reset(peaks, idx)
             if not stats:
                 continue
-            torch.cuda.reset_peak_memory_stats(idx)
             m = self._max.setdefault(key, {})
             for stat in SAMPLED:
                 peak = stats[stat]["all"]["peak"]
@@ -322,7 +378,8 @@ class AllocatorProbe:
         self._discover()
         for idx, key in self._devices.items():
             free, total = torch.cuda.mem_get_info(idx)
-            out[key] = outside_pytorch_bytes((int(free), int(total)), torch.cuda.memory_reserved(idx))
+            reserved = int(flat_stats(shadow_peaks.raw_stats(idx)).get(_RESERVED, 0))
+            out[key] = outside_pytorch_bytes((int(free), int(total)), reserved)
         return out
 
     def step_stats(self, tracked_total: Mapping[str, int]) -> dict[str, dict[str, float]]:
@@ -338,9 +395,11 @@ class AllocatorProbe:
                         idx = _cuda_index(key)
                         self._devices.setdefault(idx, f"cuda:{idx}")
             self._discover()
+            peaks = self._peaks
             if self._devices and torch.cuda.is_initialized():
                 for idx, key in self._devices.items():
-                    stats = torch.cuda.memory_stats(idx)
+                    nested = self._read_and_reset(peaks, idx) if peaks is not None else shadow_peaks.raw_stats(idx)
+                    stats = flat_stats(nested)
                     info: tuple[int, int] | None
                     try:
                         free, total = torch.cuda.mem_get_info(idx)
@@ -354,8 +413,6 @@ class AllocatorProbe:
                         self._max.get(key),
                         allocator_peaks=self.reset_peaks,
                     )
-                    if self.reset_peaks:
-                        torch.cuda.reset_peak_memory_stats(idx)
                     # The next step's maxima start from what is live at its start (= now).
                     cur = {s: int(stats.get(k, 0)) for s, k in SAMPLED.items()}
                     self._max[key] = cur

@@ -1,10 +1,12 @@
-"""Op temporaries on CUDA, from the caching allocator's own peak counters (``reset_peaks=True``).
+"""Op temporaries on CUDA, from the caching allocator's own peak counters (``reset_peaks``, the
+default where CUDA is).
 
 Light mode sees the tensors FSDP holds, what autograd saves and what modules return, not what an
 op allocates and frees inside itself: the float32 logits and their gradient in a language model's
-loss, an MLP's intermediate gradients. On CUDA the allocator counts them. With ``reset_peaks=True``
-(the tracker owns the allocator's peak counters), ``AllocatorTemps`` reads and resets the peaks at
-every peak-window edge, as the ledger opens and closes the windows, and at the step's end:
+loss, an MLP's intermediate gradients. On CUDA the allocator counts them. With ``reset_peaks`` (the
+tracker owns the allocator's peak counters; the training script's readers see their own peaks
+through ``shadow_peaks``), ``AllocatorTemps`` reads and resets the peaks at every peak-window edge,
+as the ledger opens and closes the windows, and at the step's end:
 
 - a window's allocator peak is the largest reading taken while it was open;
 - the baseline is what the allocator held beyond the ledger's counters when the step's first
@@ -17,7 +19,9 @@ every peak-window edge, as the ledger opens and closes the windows, and at the s
 So a module's or the step's peak becomes the allocator's, less the baseline, with the tracked
 categories as the ledger saw them at its own peak. Deep mode sees every op, so there the excess is
 what the allocator's rounding and stream-ordered frees add. Two C calls per edge and watched device
-(about 12 us on an H200): opt-in, with ``reset_peaks``.
+(about 12 us on an H200), plus the fold of the reading into the script's shadow peaks (one pass
+over the reading's ``peak`` entries). ``reset_peaks=False`` (``FSDP_MEM_OTEL_RESET_PEAKS=0``) turns
+it off: the counters stay untouched and light mode misses these temporaries.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ _HOOK_MODULES = (
     "fsdp_mem_otel.integrations.auto",
     "fsdp_mem_otel.training.light.ledger",
     "fsdp_mem_otel.training.optimizers",
+    "fsdp_mem_otel.training.shadow_peaks",  # torch's peak readers, wrapped: called from anywhere
     "fsdp_mem_otel.schema",
     "fsdp_mem_otel.training.light.sink",
     "fsdp_mem_otel.training.light.recorder",

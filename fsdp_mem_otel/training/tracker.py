@@ -34,7 +34,7 @@ from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.schema import INPUTS, WARNING_NOTHING_SHARDED, WARNING_OPTIMIZER_NO_STATE, StepReport, breakdown_of
 from fsdp_mem_otel.training.adapters import make_adapter
 from fsdp_mem_otel.training.adapters.base import iter_tensors
-from fsdp_mem_otel.training.allocator import AllocatorProbe
+from fsdp_mem_otel.training.allocator import AllocatorProbe, resolve_reset_peaks
 from fsdp_mem_otel.training.allocator_temps import allocator_temps
 from fsdp_mem_otel.training.compile_support import keep_out_of_dynamo
 from fsdp_mem_otel.training.containment import ErrorPolicy, StepAborts
@@ -45,6 +45,7 @@ from fsdp_mem_otel.training.light.ledger import Ledger
 from fsdp_mem_otel.training.light.recorder import StepContext, StepRecorder
 from fsdp_mem_otel.training.light.sink import Sink
 from fsdp_mem_otel.training.optimizers import OptimizerWatch, unwrap_optimizers
+from fsdp_mem_otel.training.torch_range import WARNING_TORCH_UNTESTED, check_torch
 
 logger = logging.getLogger(__name__)
 _TRACKERS: weakref.WeakSet[FSDPMemoryTracker] = weakref.WeakSet()
@@ -98,8 +99,8 @@ class FSDPMemoryTracker:
         self.context = StepContext()
         self.recorder = StepRecorder(self.ledger, self.context)
         self._optimizers = OptimizerWatch(optimizers, self.ledger, self.context, self.report_error)
-        self._probe = AllocatorProbe(reset_peaks=config.reset_peaks)
-        self.ledger.watch_windows(allocator_temps(self._probe, config.reset_peaks))  # defers unless watched
+        self._probe = AllocatorProbe(reset_peaks=resolve_reset_peaks(config.reset_peaks))  # None: where CUDA is
+        self.ledger.watch_windows(allocator_temps(self._probe, self._probe.reset_peaks))  # defers unless watched
         self._sink = Sink(self.ledger, self.recorder, self.report_error, self._probe.sampler, config)
         self._aborts = StepAborts(self.recorder, self.ledger, self._probe, self.report_error)
         self._leaks = LeakWatch(config.leak_window)
@@ -115,7 +116,7 @@ class FSDPMemoryTracker:
         self.local_rank = int(os.environ.get(env.LOCAL_RANK, self.rank))
         self.steps_completed, self.attached = 0, False
         self._owner_thread: int | None = None
-        self._nothing_sharded = False
+        self._nothing_sharded = self._untested_torch = False
         self._start_step()
         _TRACKERS.add(self)  # for attached_trackers()
 
@@ -162,6 +163,7 @@ class FSDPMemoryTracker:
         except Exception as exc:  # noqa: BLE001
             self.report_error(exc)
         self.ledger.reset_step()
+        self._untested_torch = check_torch()  # logged once per process
         self._probe.start()
         self._deep.begin(self.steps_completed + 1, not self.disabled)
         return self
@@ -175,6 +177,7 @@ class FSDPMemoryTracker:
         self._sink.end_step()
         self._optimizers.detach()
         self._adapter.detach()
+        self._probe.stop()  # the last tracker puts torch's peak readers back
 
     def close(self) -> None:
         """Detach and shut every exporter down (flushing what they hold). Safe to call twice."""
@@ -304,7 +307,8 @@ class FSDPMemoryTracker:
 
     # -- state: errors (exporters' included), self-disabling, deep steps skipped by reason, the
     # tracked FSDP modules' keys (named_modules() order), the torch optimizers behind what was passed
-    # (``optimizer``: the first of them, the only one unless a container was passed, or None)
+    # (``optimizer``: the first of them, the only one unless a container was passed, or None), what is
+    # wrong with the setup being measured (``schema.WARNINGS`` and more, as in each report; ``_setup_warnings``)
     errors_total = property(lambda self: self._errors.total)
     failures: FailureLog = property(lambda self: self._errors.failures)  # type: ignore[assignment]
     disabled = property(lambda self: self._errors.disabled)
@@ -313,12 +317,15 @@ class FSDPMemoryTracker:
     fsdp_version = property(lambda self: self._adapter.fsdp_version)
     optimizers = property(lambda self: self._optimizers.optimizers)
     optimizer = property(lambda self: next(iter(self._optimizers.optimizers), None))
+    warnings: list[str] = property(lambda self: _setup_warnings(self))  # type: ignore[assignment]
 
-    @property
-    def warnings(self) -> list[str]:
-        """What is wrong with the setup being measured (``schema.WARNINGS``), as in each report."""
-        return ([WARNING_OPTIMIZER_NO_STATE] if self._optimizers.no_state else []) + (
-            [WARNING_NOTHING_SHARDED] if self._nothing_sharded else [])
+
+def _setup_warnings(tracker: FSDPMemoryTracker) -> list[str]:
+    """What is wrong with the setup ``tracker`` measures (``schema.WARNINGS``, and
+    ``WARNING_TORCH_UNTESTED`` where it attached on a torch outside the tested range)."""
+    flags = ((WARNING_OPTIMIZER_NO_STATE, tracker._optimizers.no_state),
+             (WARNING_NOTHING_SHARDED, tracker._nothing_sharded), (WARNING_TORCH_UNTESTED, tracker._untested_torch))
+    return [kind for kind, on in flags if on]
 
 
 def attached_trackers() -> list[FSDPMemoryTracker]:

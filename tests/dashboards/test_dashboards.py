@@ -32,7 +32,11 @@ SCHEMA_TOOL = REPO / "tools" / "grafana-schema"
 EXPECTED_CUDA_ONLY = {
     ("fsdp-mem-fleet", "OOMs in range", "A"),
     ("fsdp-mem-fleet", "Allocator retries in range", "A"),
-    ("fsdp-mem-fleet", "Step peak as share of device capacity", "A"),
+    ("fsdp-mem-fleet", "Memory peak as share of device capacity", "A"),
+    ("fsdp-mem-fleet", "Tracked vs allocator peak per job (largest rank)", "B"),
+    ("fsdp-mem-fleet", "Tracked vs allocator peak per job (largest rank)", "C"),
+    ("fsdp-mem-job", "Tracked vs allocator peak (largest rank)", "B"),
+    ("fsdp-mem-job", "Tracked vs allocator peak (largest rank)", "C"),
     ("fsdp-mem-fleet", "OOMs and allocator retries per job", "A"),
     ("fsdp-mem-fleet", "OOMs and allocator retries per job", "B"),
     ("fsdp-mem-fleet", "Hours to device capacity per job (soonest first)", "A"),
@@ -48,6 +52,9 @@ EXPECTED_CUDA_ONLY = {
     ("fsdp-mem-allocator", "Cached and split bytes", "B"),
     ("fsdp-mem-allocator", "Allocator retries and OOMs", "A"),
     ("fsdp-mem-allocator", "Allocator retries and OOMs", "B"),
+    ("fsdp-mem-allocator", "Allocator peak - tracked step peak", "A"),
+    ("fsdp-mem-allocator", "Allocator peak - tracked step peak", "B"),
+    ("fsdp-mem-allocator", "Memory peak as share of device capacity", "A"),
 }
 
 #: every target allowed to be empty on a job that does not leak (the tracker exports the leak series

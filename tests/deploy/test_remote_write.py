@@ -43,10 +43,11 @@ JOB, NAMESPACE = "remote-write-e2e", "e2e"
 
 def rank_report() -> StepReport:
     """small_report() from a CUDA rank whose allocator reports, as every CUDA rank's does, the
-    device's capacity and its OOM count (none yet), and whose activations leak (so that the leak
-    panels' recorded series have something to read through the central)."""
+    device's capacity, its OOM count (none yet) and its peaks of the step, and whose activations leak
+    (so that the leak panels' recorded series have something to read through the central)."""
     report = small_report()
-    report.allocator["cuda:0"].update(num_ooms=0.0, device_total_bytes=80.0 * 2**30)
+    report.allocator["cuda:0"].update(num_ooms=0.0, device_total_bytes=80.0 * 2**30, allocated_peak_bytes=9000.0,
+                                      active_peak_bytes=9000.0, reserved_peak_bytes=16384.0)
     report.leak = LeakReport(growing={"activation": 4096.0}, held={"layers.0": 8192}, steps=30)
     return report
 

@@ -106,6 +106,21 @@ def test_every_metric_in_every_expression_is_in_the_catalog_or_recorded_here() -
     assert recorded == set(alerts.RECORDING_NAMES)
 
 
+def test_capacity_rules_read_what_runs_out_on_the_device() -> None:
+    """FsdpMemNearDeviceCapacity, the forecast and the headroom read the device peak: the largest of
+    the tracked step peak and the allocator's peaks of the step (capacity_test.yml runs them)."""
+    rules = {r.get("alert") or r.get("record"): r for r in _rules()}
+    assert set(_selector_names(rules[alerts.REC_RANK_DEVICE_PEAK]["expr"])) == {
+        cat.STEP_PEAK_BYTES.name, cat.ALLOCATED_PEAK_BYTES.name, cat.ACTIVE_PEAK_BYTES.name,
+        cat.RESERVED_PEAK_BYTES.name}
+    for name in (alerts.REC_DEVICE_RATIO, alerts.REC_RANK_HOURS, alerts.REC_JOB_HEADROOM):
+        assert alerts.REC_RANK_DEVICE_PEAK in _selector_names(rules[name]["expr"]), name
+    assert _selector_names(rules["FsdpMemNearDeviceCapacity"]["expr"]) == [alerts.REC_DEVICE_RATIO]
+    assert _selector_names(rules["FsdpMemCapacityForecast"]["expr"]) == [alerts.REC_RANK_HOURS]
+    assert _selector_names(rules[alerts.REC_JOB_DEVICE_RATIO]["expr"]) == [alerts.REC_DEVICE_RATIO]
+    assert (DEPLOY / "prometheus" / "tests" / "capacity_test.yml") in PROM_TESTS
+
+
 def test_alerts_have_severity_summary_description_runbook() -> None:
     for rule in _rules():
         if "alert" not in rule:

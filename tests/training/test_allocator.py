@@ -10,12 +10,15 @@ import psutil
 import pytest
 import torch
 
+from fsdp_mem_otel.training import shadow_peaks
 from fsdp_mem_otel.training.allocator import (
     CPU_KEYS,
     CUDA_KEYS,
     AllocatorProbe,
     cuda_stats_from,
+    flat_stats,
     resident_bytes,
+    resolve_reset_peaks,
 )
 
 GiB = 1 << 30
@@ -219,7 +222,7 @@ class FakeCuda:
         self.calls.append("nested")
         return {
             f"{k}_bytes": {"all": {"current": getattr(self, k), "peak": self.peak[k]}} for k in self.peak
-        } | {"num_ooms": 0}
+        } | {"num_alloc_retries": 1, "num_ooms": 0}
 
     def flat(self, device: int) -> dict[str, int]:
         self.calls.append("flat")
@@ -317,6 +320,59 @@ def test_probe_reset_peaks(fake_cuda: FakeCuda) -> None:
     assert fake_cuda.resets == [0, 0]
     fake_cuda.set(350, 8000)
     assert probe.step_stats({})["cuda:0"]["allocated_peak_bytes"] == 350
+    assert torch.cuda.memory_stats_as_nested_dict(0)["allocated_bytes"]["all"]["peak"] == 5000  # the script's
+    probe.stop()
+    assert fake_cuda.peak["allocated"] == 350  # the live counter: the peak since the probe's last reset
+
+
+def test_reset_peaks_default_follows_cuda(fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_reset_peaks(None) is True  # CUDA available (the fake): the allocator's own peaks
+    assert resolve_reset_peaks(False) is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_reset_peaks(None) is False
+    assert resolve_reset_peaks(True) is True  # explicit wins (without CUDA the probe resets nothing anyway)
+
+
+def test_probe_takes_and_gives_back_the_counters(fake_cuda: FakeCuda) -> None:
+    readers = torch.cuda.memory_stats_as_nested_dict
+    probe = AllocatorProbe([0], reset_peaks=True)
+    assert probe.window_edge() == {} and fake_cuda.resets == []  # not started: nothing reset
+    probe.start()
+    assert shadow_peaks.installed() and torch.cuda.memory_stats_as_nested_dict is not readers
+    fake_cuda.calls.clear()
+    probe.window_edge()
+    assert fake_cuda.calls == ["nested"] and fake_cuda.resets == [0, 0]  # one read, one reset per edge
+    probe.stop()
+    assert not shadow_peaks.installed() and torch.cuda.memory_stats_as_nested_dict is readers
+    assert probe.window_edge() == {} and fake_cuda.resets == [0, 0]  # stopped: nothing reset
+    AllocatorProbe([0]).start()  # sampling: never takes the counters
+    assert not shadow_peaks.installed()
+
+
+def test_a_device_found_after_start_starts_its_window_then(fake_cuda: FakeCuda,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_cuda.set(9000, 10000)  # the script's peak, from before the tracker
+    fake_cuda.set(100, 10000)
+    probe = AllocatorProbe(reset_peaks=True)  # auto: the current device, once CUDA is in use
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    probe.start()  # at attach, before the model reached CUDA
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    try:
+        assert fake_cuda.resets == []
+        assert probe.window_edge()["cuda:0"] == (100, 100)  # not the 9000 from before the tracker
+        assert fake_cuda.resets == [0]
+        fake_cuda.set(300, 10000)
+        fake_cuda.set(100, 10000)
+        assert probe.step_stats({"cuda:0": 0})["cuda:0"]["allocated_peak_bytes"] == 300
+        assert torch.cuda.memory_stats_as_nested_dict(0)["allocated_bytes"]["all"]["peak"] == 9000
+    finally:
+        probe.stop()
+
+
+def test_flat_stats_reads_the_keys_cuda_stats_from_needs() -> None:
+    nested = {"allocated_bytes": {"all": {"current": 5, "peak": 9}, "large_pool": {"current": 4, "peak": 8}},
+              "num_ooms": 2, "reserved_bytes_by_private_pools": {(0, 1): {"all": {"current": 1}}}}
+    assert flat_stats(nested) == {"allocated_bytes.all.current": 5, "allocated_bytes.all.peak": 9, "num_ooms": 2}
 
 
 def test_probe_discovers_devices_from_ledger(fake_cuda: FakeCuda) -> None:
@@ -394,17 +450,23 @@ def test_cuda_user_peak_not_reset() -> None:
 
 
 @cuda_only
-def test_cuda_reset_peaks_opt_in() -> None:
+def test_cuda_reset_peaks_shadows_the_scripts_peaks() -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
     big = torch.empty(256 * MiB, dtype=torch.uint8, device=dev)
     del big
+    readers = (torch.cuda.memory_stats_as_nested_dict, torch.cuda.reset_peak_memory_stats)
     probe = AllocatorProbe(reset_peaks=True)
     probe.start()
-    small = torch.empty(MiB, dtype=torch.uint8, device=dev)
-    out = probe.step_stats({})[f"cuda:{dev.index}"]
-    assert out["allocated_peak_bytes"] < 256 * MiB
-    assert torch.cuda.max_memory_allocated(dev) < 256 * MiB
-    del small
+    try:
+        small = torch.empty(MiB, dtype=torch.uint8, device=dev)
+        out = probe.step_stats({})[f"cuda:{dev.index}"]
+        assert out["allocated_peak_bytes"] < 256 * MiB  # the probe's: since its reset
+        assert torch.cuda.max_memory_allocated(dev) >= 256 * MiB  # the script's: as without the probe
+        del small
+    finally:
+        probe.stop()
+    assert (torch.cuda.memory_stats_as_nested_dict, torch.cuda.reset_peak_memory_stats) == readers
+    assert torch.cuda.max_memory_allocated(dev) < 256 * MiB  # the live counter: the probe reset it
 
 
 def test_outside_pytorch_from_recorded_stats() -> None:

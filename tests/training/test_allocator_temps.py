@@ -3,6 +3,8 @@ mirrored on a scripted allocator (no GPU), against the arithmetic of what was al
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from fsdp_mem_otel.schema import ACTIVATION, TEMP, TOTAL
@@ -16,10 +18,16 @@ WORKSPACE = 1000  # allocator bytes no tensor holds (cuBLAS workspaces): the bas
 
 
 @pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]:
     fake = FakeCuda()
     fake.install(monkeypatch)
-    return fake
+    yield fake
+    for probe in PROBES:  # give the peak counters back while the fake is still installed
+        probe.stop()
+    PROBES.clear()
+
+
+PROBES: list[AllocatorProbe] = []
 
 
 class Step:
@@ -28,6 +36,7 @@ class Step:
     def __init__(self, fake: FakeCuda) -> None:
         self.fake = fake
         self.probe = AllocatorProbe([0], reset_peaks=True)
+        PROBES.append(self.probe)
         self.ledger = Ledger()
         self.ledger.window_watch = AllocatorTemps(self.probe)
         self.extra = 0  # allocated, not tracked: temporaries

@@ -43,8 +43,8 @@ def test_deep_peak_matches_allocator_active_peak(one_rank_nccl) -> None:  # type
     train_step(model, opt, x)
     torch.cuda.synchronize()
     report = tracker.step()
+    active_peak = torch.cuda.memory_stats()["active_bytes.all.peak"]  # while attached: the script's own peak
     tracker.detach()
-    active_peak = torch.cuda.memory_stats()["active_bytes.all.peak"]
     tracked_peak = report.peak["cuda:0"]["total"]
     stats = report.allocator["cuda:0"]
     # Allocator blocks no tensor holds (cuBLAS workspaces: 65 MiB on an H200, a quarter of this
