@@ -6,7 +6,8 @@ bash scripts/setup.sh
 export OMP_NUM_THREADS=1
 TORCH214_TESTS=(tests/training/test_tracking.py tests/training/test_light_misses.py tests/training/test_light_activations.py
                 tests/training/test_parity.py tests/training/test_compile.py tests/training/test_errors.py
-                tests/training/test_estimate.py tests/training/test_inplace_saved.py tests/training/test_step_replay.py)
+                tests/training/test_estimate.py tests/training/test_inplace_saved.py tests/training/test_light_steps.py
+                tests/training/test_content_dependent.py tests/training/test_shadow_peaks.py)
 .venv/bin/ruff check fsdp_mem_otel tests benchmarks
 .venv/bin/mypy fsdp_mem_otel
 # pytest's exit code 5 (no tests collected) fails too
