@@ -1,50 +1,18 @@
-"""Device allocator statistics for ``StepReport.allocator`` (device -> statistic -> value).
+"""Device allocator statistics for ``StepReport.allocator``: device -> statistic -> value. CUDA (``"cuda:N"``):
+- ``allocated_bytes`` (handed out to tensors), ``reserved_bytes`` (the caching allocator's: allocated + cached),
+  ``active_bytes`` (allocated or awaiting a stream sync) at the step end, and their step maxima ``*_peak_bytes``;
+- ``inactive_split_bytes`` (non-releasable split blocks); ``fragmentation_ratio``: 1 - allocated / reserved;
+- ``device_total_bytes``; ``outside_pytorch_bytes``: used (total - free) minus reserved, floored at 0 (CUDA
+  context, NCCL, cuBLAS workspaces, other allocators and processes);
+- ``num_alloc_retries`` (cudaMalloc failures that flushed the cache) and ``num_ooms``, process totals;
+- ``untracked_bytes``: allocated - the ledger's bytes; negative: the ledger counts more (another allocator's).
+The host (``"cpu"``): ``resident_bytes``, the RSS, every ``rss_every``-th step (RSS is far more than tensors).
 
-CUDA devices (key ``"cuda:N"``), from ``torch.cuda.memory_stats`` and ``torch.cuda.mem_get_info``:
-
-==========================  ==================================================================
-allocated_bytes             bytes handed out to tensors at the step end
-reserved_bytes              bytes the caching allocator holds from the device (allocated + cached)
-active_bytes                bytes in active blocks (allocated or awaiting a stream sync)
-allocated_peak_bytes        the step's maximum of allocated_bytes (see "Peaks" below)
-reserved_peak_bytes         the step's maximum of reserved_bytes
-active_peak_bytes           the step's maximum of active_bytes
-inactive_split_bytes        inactive, non-releasable bytes of split blocks (fragmentation)
-device_total_bytes          total memory of the device (``mem_get_info()[1]``)
-outside_pytorch_bytes       device memory in use that PyTorch's allocator does not hold: used
-                            (``total - free`` from ``mem_get_info``) minus reserved bytes. The
-                            CUDA context, NCCL buffers, cuBLAS/cuDNN workspaces and other
-                            allocators of this process; on a GPU shared with other processes,
-                            theirs too. Floored at 0
-num_alloc_retries           cudaMalloc failures that flushed the cache and retried (process total)
-num_ooms                    out-of-memory errors raised by the allocator (process total)
-fragmentation_ratio         (reserved - allocated) / reserved; 0 when nothing is reserved
-untracked_bytes             allocated - what the tracker's ledger accounts on that device;
-                            signed: negative means the ledger counts more than the allocator
-                            handed out (memory from another allocator, or a double count)
-==========================  ==================================================================
-
-The host (key ``"cpu"``), on every run: ``resident_bytes`` (the process RSS, from
-``/proc/self/statm`` or psutil, read every ``rss_every``-th step, default 10). ``untracked_bytes``
-is not reported for the host: RSS includes the interpreter, libraries and allocator caches, so "RSS
-minus tensors" means nothing useful.
-
-Peaks. Where CUDA is, the tracker owns the allocator's peak counters by default (``reset_peaks``,
-``TrackerConfig``): ``window_edge()`` reads and resets them at every peak-window edge and
-``step_stats()`` at the step end, so the ``*_peak_bytes`` values are the allocator's own peaks of
-the step, temporaries between two hooks included. The training script's peak statistics stay its
-own: while the probe holds them (``start()`` to ``stop()``), ``shadow_peaks`` makes every Python
-reader of torch's peak statistics see what it would see without the tracker, and the script's own
-resets leave the tracker's windows whole. The probe reads and resets through ``shadow_peaks``
-(the unwrapped functions). With ``reset_peaks=False`` the tracker never touches the counters, and
-the ``*_peak_bytes`` values are *sampled* maxima: ``AllocatorProbe.sample()`` reads the current
-allocated / reserved / active bytes at every FSDP hook snapshot, and ``step_stats()`` folds in the
-values at the step end; a transient peak between two hooks (inside one module's forward) is missed.
-The tracker never empties the cache.
-
-The pure arithmetic is in :func:`cuda_stats_from`, which takes a ``memory_stats()`` dict, so it
-is tested on recorded dicts without a GPU.
-"""
+Peaks. Where CUDA is, the tracker owns the allocator's peak counters by default (``reset_peaks``):
+``window_edge()`` and ``step_stats()`` read and reset them, so ``*_peak_bytes`` are the allocator's own,
+temporaries between hooks included; ``shadow_peaks`` keeps the script's peak statistics its own. With
+``reset_peaks=False`` they are maxima sampled at every FSDP hook snapshot and the step end, missing transients
+between hooks. The tracker never empties the cache."""
 
 from __future__ import annotations
 
@@ -105,21 +73,9 @@ def cuda_stats_from(
     *,
     allocator_peaks: bool = False,
 ) -> dict[str, float]:
-    """One CUDA device's statistics from plain data.
-
-    Args:
-        memory_stats: ``torch.cuda.memory_stats(device)`` (flat keys such as
-            ``"allocated_bytes.all.current"``); missing keys read as 0 (the cudaMallocAsync
-            backend reports some as 0 or not at all).
-        mem_get_info: ``torch.cuda.mem_get_info(device)`` = (free, total); None leaves
-            ``device_total_bytes`` out.
-        tracked_total: bytes the ledger accounts on this device; None leaves ``untracked_bytes`` out.
-        sampled_max: the step's sampled maxima, keys ``allocated_bytes`` / ``reserved_bytes`` /
-            ``active_bytes``; each peak is max(sampled, current at step end).
-        allocator_peaks: report the allocator's own ``*.all.peak`` values instead, each the larger
-            of it and ``sampled_max`` (the peaks read where they were reset mid-step); only
-            meaningful when peaks are reset at every step, i.e. ``reset_peaks=True``.
-    """
+    """One CUDA device's statistics from ``memory_stats`` (flat keys; missing: 0, as cudaMallocAsync omits some)
+    and ``mem_get_info`` (None: no device total); ``tracked_total`` None: no ``untracked_bytes``. A peak is
+    max(``sampled_max``, current), with ``allocator_peaks`` max(``*.all.peak``, ``sampled_max``)."""
     allocated = int(memory_stats.get(_ALLOCATED, 0))
     reserved = int(memory_stats.get(_RESERVED, 0))
     out: dict[str, float] = {
@@ -146,23 +102,19 @@ def cuda_stats_from(
 
 
 def outside_pytorch_bytes(mem_get_info: tuple[int, int], reserved: int) -> int:
-    """Device memory in use beyond what the caching allocator reserved: (total - free) -
-    reserved, floored at 0 (see ``outside_pytorch_bytes`` in the module docstring)."""
+    """Device memory in use beyond what the caching allocator reserved: (total - free) - reserved, floored at 0."""
     free, total = mem_get_info
     return max(0, int(total) - int(free) - int(reserved))
 
 
 _process: Any = None  # psutil.Process of this process, made on first use
 _STATM = "/proc/self/statm"
-#: (pid, descriptor) of ``_STATM`` opened by that process: one ``pread`` a reading, not an open,
-#: a read and a close (on /proc, tens of microseconds at a step's end)
+#: (pid, descriptor) of ``_STATM``, opened by that process: one ``pread`` a reading
 _statm: tuple[int, int] | None = None
 
 
 def resident_bytes() -> int | None:
-    """Resident set size of this process in bytes (None where it cannot be read): from
-    ``/proc/self/statm`` where there is one (Linux; what psutil reads there, for a fraction of its
-    cost), else from psutil."""
+    """This process's RSS in bytes (None: unreadable), from ``/proc/self/statm`` (cheaper) or psutil."""
     global _statm
     for _ in range(2):  # a descriptor closed under us (closerange) is opened again, once
         try:
@@ -189,14 +141,12 @@ def _statm_rss() -> int:
 
 
 def resolve_reset_peaks(setting: bool | None) -> bool:
-    """``TrackerConfig.reset_peaks`` as the probe takes it: None (the default) is on where CUDA is
-    available, an explicit bool wins."""
+    """``TrackerConfig.reset_peaks`` as the probe takes it: None (default) is on where CUDA is; a bool wins."""
     return torch.cuda.is_available() if setting is None else bool(setting)
 
 
 def flat_stats(nested: Mapping[str, Any]) -> dict[str, Any]:
-    """The keys ``cuda_stats_from`` reads, flat (``"allocated_bytes.all.current"``), from
-    ``memory_stats_as_nested_dict``: every statistic's ``all`` counters and the plain counts."""
+    """The flat keys ``cuda_stats_from`` reads, from ``memory_stats_as_nested_dict``."""
     out: dict[str, Any] = {}
     for stat, value in nested.items():
         if isinstance(value, dict):
@@ -225,23 +175,9 @@ def _cuda_index(device: str | int | torch.device) -> int:
 
 
 class AllocatorProbe:
-    """Reads the device allocator for ``StepReport.allocator``.
-
-    Args:
-        devices: CUDA devices to watch (int, "cuda:N" or torch.device). None (default): the
-            current CUDA device once CUDA is initialized, plus every "cuda:N" the ledger reports
-            to ``step_stats``. Ignored on a machine without CUDA.
-        reset_peaks: report the allocator's own peaks, read and reset at every window edge
-            (``window_edge``) and step end, with the training script's view of them shadowed
-            (``shadow_peaks``) from ``start()`` to ``stop()``. False: sampled maxima, and the
-            counters are never touched. The tracker passes ``resolve_reset_peaks(config)``.
-        rss_every: read the process RSS at every ``rss_every``-th step (a system call of tens
-            of microseconds); the steps between report the last reading.
-
-    ``sample()`` is called at every FSDP hook snapshot and costs one ``memory_stats`` C call per
-    watched CUDA device (nothing on CPU, nothing with ``reset_peaks``); ``step_stats()`` once per
-    step. Nothing here empties the cache. Errors propagate: the tracker contains and counts them.
-    """
+    """Reads the device allocator for ``StepReport.allocator``; errors propagate. ``devices``: CUDA devices to
+    watch (None: the current one, plus each "cuda:N" the ledger reports). ``reset_peaks``: the allocator's own
+    peaks, reset at every window edge and step end; else sampled maxima. ``rss_every``: RSS period."""
 
     def __init__(self, devices: Iterable[str | int | torch.device] | None = None, *, reset_peaks: bool = False,
                  rss_every: int = 10) -> None:
@@ -265,7 +201,7 @@ class AllocatorProbe:
         self._max: dict[str, dict[str, int]] = {}
         #: with reset_peaks, from start() to stop(): the hold on the peak counters
         self._peaks: shadow_peaks.PeakClient | None = None
-        #: device indexes whose peaks this probe has reset once (a device found later starts then)
+        #: device indexes whose peaks this probe has reset once
         self._reset_once: set[int] = set()
 
     @property
@@ -280,8 +216,7 @@ class AllocatorProbe:
             self._devices[idx] = f"cuda:{idx}"
 
     def start(self) -> None:
-        """Begin the first step (the tracker calls this at attach): maxima restart from now; with
-        ``reset_peaks``, the probe takes the peak counters (the script's view shadowed) and resets them."""
+        """At attach: maxima restart; with ``reset_peaks``, take the peak counters and reset them."""
         if not self._cuda:
             return
         if self.reset_peaks and self._peaks is None:
@@ -295,8 +230,7 @@ class AllocatorProbe:
         self.sample()
 
     def stop(self) -> None:
-        """Give the peak counters back (the tracker calls this at detach): the last holder puts
-        torch's functions back. Afterwards nothing is reset; ``start()`` takes them again."""
+        """At detach: give the peak counters back (the last holder restores torch's functions)."""
         peaks, self._peaks = self._peaks, None
         self._reset_once.clear()
         if peaks is not None:
@@ -316,8 +250,7 @@ class AllocatorProbe:
             if not self._devices:
                 return
         for idx, key in self._devices.items():
-            # The nested dict straight from C: torch.cuda.memory_allocated() would build, flatten
-            # and sort the full flat dict for each of the three values.
+            # Straight from C: torch.cuda.memory_allocated() builds and sorts the full flat dict per value.
             stats = shadow_peaks.raw_stats(idx)
             if not stats:
                 continue
@@ -336,9 +269,7 @@ class AllocatorProbe:
                 m["active_bytes"] = active
 
     def _read_and_reset(self, peaks: shadow_peaks.PeakClient, idx: int) -> dict[str, Any]:
-        """The nested statistics with the peaks since this probe's last reset, then reset. A device
-        reset here for the first time (found after ``start()``) reports its peaks as its current
-        values: what it held before the tracker started is the script's, not this step's."""
+        """Nested statistics with the peaks since this probe's last reset, then reset (first reset: current)."""
         stats = peaks.read_and_reset(idx)
         if stats and idx not in self._reset_once:
             self._reset_once.add(idx)
@@ -348,10 +279,7 @@ class AllocatorProbe:
         return stats
 
     def window_edge(self) -> dict[str, tuple[int, int]]:
-        """With ``reset_peaks`` (between ``start()`` and ``stop()``): read and reset each watched
-        device's peaks (``AllocatorTemps`` calls this at every peak-window edge); device key ->
-        (allocated peak since the last edge, allocated now). The three peaks also go into the
-        step's maxima, which ``step_stats`` reports with the allocator's peak since the last edge."""
+        """At a window edge, with ``reset_peaks``: device -> (allocated peak since the last edge, allocated)."""
         out: dict[str, tuple[int, int]] = {}
         peaks = self._peaks
         if peaks is None:
@@ -370,8 +298,7 @@ class AllocatorProbe:
         return out
 
     def outside_pytorch(self) -> dict[str, int]:
-        """Now, per watched CUDA device: bytes in use outside PyTorch's allocator (for an OOM's
-        breakdown: what NCCL, cuBLAS and the CUDA context held when memory ran out)."""
+        """Bytes in use outside PyTorch's allocator now, per device (an OOM's: NCCL, cuBLAS, context)."""
         out: dict[str, int] = {}
         if not self._cuda or not torch.cuda.is_initialized():
             return out
@@ -383,10 +310,7 @@ class AllocatorProbe:
         return out
 
     def step_stats(self, tracked_total: Mapping[str, int]) -> dict[str, dict[str, float]]:
-        """Statistics at the step end, device -> statistic -> value; restarts the step maxima.
-
-        ``tracked_total``: device key ("cuda:0", "cpu") -> bytes the ledger accounts there.
-        """
+        """Statistics at the step end, restarting the maxima; ``tracked_total``: device -> ledger bytes."""
         out: dict[str, dict[str, float]] = {}
         if self._cuda:
             if self._auto:

@@ -1,28 +1,8 @@
-"""Op temporaries on CUDA, from the caching allocator's own peak counters (``reset_peaks``, the
-default where CUDA is).
-
-Light mode sees the tensors FSDP holds, what autograd saves and what modules return, not what an
-op allocates and frees inside itself: the float32 logits and their gradient in a language model's
-loss, an MLP's intermediate gradients. On CUDA the allocator counts them. With ``reset_peaks`` (the
-tracker owns the allocator's peak counters; the training script's readers see their own peaks
-through ``shadow_peaks``), ``AllocatorTemps`` reads and resets the peaks at every peak-window edge,
-as the ledger opens and closes the windows, and at the step's end:
-
-- a window's allocator peak is the largest reading taken while it was open;
-- the baseline is what the allocator held beyond the ledger's counters when the step's first
-  window opened (cuBLAS workspaces, tensors the tracker never saw: ``untracked_bytes``), which
-  stays out of every window of the step; what else no tracked tensor holds during a window
-  (gradients flowing between modules, op temporaries) is in;
-- what the allocator's peak exceeds baseline + the ledger's window peak was held by no tracked
-  tensor: it is added to that window's ``temp`` (and ``total``).
-
-So a module's or the step's peak becomes the allocator's, less the baseline, with the tracked
-categories as the ledger saw them at its own peak. Deep mode sees every op, so there the excess is
-what the allocator's rounding and stream-ordered frees add. Two C calls per edge and watched device
-(about 12 us on an H200), plus the fold of the reading into the script's shadow peaks (one pass
-over the reading's ``peak`` entries). ``reset_peaks=False`` (``FSDP_MEM_OTEL_RESET_PEAKS=0``) turns
-it off: the counters stay untouched and light mode misses these temporaries.
-"""
+"""Op temporaries on CUDA, from the allocator's own peak counters (``reset_peaks``, default where CUDA is). Light
+mode misses what an op allocates and frees inside itself (a loss's float32 logits and gradient). ``AllocatorTemps``
+reads and resets the allocator's peaks at every window edge and step end: what a window's peak exceeds the baseline
+(held beyond the ledger as the step's first window opened: cuBLAS workspaces, ``untracked_bytes``) plus the
+ledger's window peak goes into its ``temp`` and ``total`` (deep mode: rounding, stream-ordered frees)."""
 
 from __future__ import annotations
 
@@ -38,13 +18,7 @@ _T, _TEMP = INDEX[TOTAL], INDEX[TEMP]
 
 
 class AllocatorTemps:
-    """The ledger's window edges mirrored on the allocator's peak counters (module docstring).
-
-    ``probe.window_edge()`` reads and resets the peaks: device key -> (allocated peak since the
-    last edge, allocated now). The ledger (``Ledger.window_watch``) calls ``opened`` and
-    ``closed`` at every window edge and ``step_peak`` at the step's end; the step's own window
-    starts with its first module window (the first FSDP pre-forward).
-    """
+    """The ledger's window edges (``Ledger.window_watch``) mirrored on the allocator's peak counters."""
 
     def __init__(self, probe: Any) -> None:
         self._probe = probe
@@ -73,8 +47,7 @@ class AllocatorTemps:
         self._open.append(window)
 
     def closed(self, index: int, snap: Snap) -> Snap:
-        """The window at ``index`` of the open ones closed with ledger peak ``snap``: ``snap`` with
-        the allocator's excess added to ``temp`` (a new snapshot)."""
+        """Window ``index`` closed with ledger peak ``snap``: ``snap`` with the allocator's excess in ``temp``."""
         self._edge()
         if not -len(self._open) <= index < len(self._open):  # out of step with the ledger: start over
             self._open.clear()
@@ -94,8 +67,7 @@ class AllocatorTemps:
         return snap_of(counters) if adjusted else snap
 
     def step_peak(self, peak: DeviceBreakdown) -> DeviceBreakdown:
-        """The step's peak breakdown (changed in place) with the allocator's excess in ``temp``;
-        the next step starts afresh."""
+        """The step's peak breakdown (in place) with the allocator's excess in ``temp``; then starts afresh."""
         self._edge()
         for device, (allocator_peak, baseline) in self._step.items():
             cats = peak.get(device)

@@ -1,14 +1,7 @@
-"""Living beside ``torch.compile``: hooks dynamo never traces, compiled regions found, eager deep steps.
-
-The tracker's hooks run inside compiled programs: a forward hook on a block compiled in place
-(``block.compile(fullgraph=True)``, as torchtitan does) is a Python frame that dynamo would try to
-compile, and a call like ``time.perf_counter`` inside it then fails the ``fullgraph`` block or
-adds graph breaks. FSDP2 wraps its own hooks in ``torch._dynamo.disable``; that costs about half
-a microsecond per call even in eager training. Instead, the tracker's modules are put on dynamo's
-skip list, as ``torch.nn`` is: dynamo runs their frames as they are, with no tracing and no cost
-outside compiled regions. Where that registration is not possible, each hook is wrapped in
-``torch.compiler.disable(recursive=True)`` instead (``dynamo_safe``).
-"""
+"""Living beside ``torch.compile``: hooks dynamo never traces, compiled regions found, eager deep steps. Hooks run
+inside compiled blocks (``fullgraph=True``, as torchtitan does), where dynamo would trace them and break the
+graph; ``torch._dynamo.disable`` costs ~0.5 us a call even eagerly, so the tracker's modules go on dynamo's skip
+list, as ``torch.nn`` does. Where that fails, ``dynamo_safe`` wraps hooks in ``torch.compiler.disable``."""
 
 from __future__ import annotations
 
@@ -22,8 +15,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-# Every module whose functions run inside hooks, optimizer hooks or saved-tensor hooks. The demo
-# model (fsdp_mem_otel.tools.demo) is not here: users and tests compile it.
+# Every module whose functions run inside hooks; not the demo model (fsdp_mem_otel.tools.demo): tests compile it.
 _HOOK_MODULES = (
     "fsdp_mem_otel.training.light.activations",
     "fsdp_mem_otel.training.adapters",
@@ -61,17 +53,14 @@ def keep_out_of_dynamo() -> bool:
 
 
 def dynamo_safe(fn: _F) -> _F:
-    """``fn`` as a hook dynamo never traces: itself when the skip list holds the tracker's
-    modules, else wrapped in ``torch.compiler.disable(recursive=True)``."""
+    """``fn`` as a hook dynamo never traces: itself on the skip list, else ``torch.compiler.disable``'d."""
     if keep_out_of_dynamo():
         return fn
     return torch.compiler.disable(fn, recursive=True)  # type: ignore[return-value]
 
 
 def compiled_regions(model: nn.Module) -> list[str]:
-    """Paths (``named_modules()``) of the modules of ``model`` that run compiled code: compiled in
-    place (``module.compile()``), wrapped by ``torch.compile(module)``, or whose ``forward`` was
-    replaced by a compiled function. "" is the model itself."""
+    """Paths of ``model``'s modules running compiled code (in place, wrapped, or a forward); "": the model."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     found = []
@@ -87,9 +76,7 @@ def compiled_regions(model: nn.Module) -> list[str]:
 
 
 def called_from_compiled_code() -> bool:
-    """Whether code that ``torch.compile`` compiled is running further up this thread's stack (an
-    outer ``torch.compile(model)``, a compiled training step): dynamo's frame callback is set
-    only while such code runs."""
+    """Whether compiled code runs up this thread's stack (dynamo's frame callback is set only then)."""
     try:
         from torch._C._dynamo.eval_frame import get_eval_frame_callback
 
@@ -100,7 +87,6 @@ def called_from_compiled_code() -> bool:
 
 
 def force_eager() -> Callable[[], None]:
-    """Run ``torch.compile``'d code eagerly from now on (``set_stance("force_eager")``); returns
-    the function that puts the previous stance back."""
+    """Run compiled code eagerly from now on (``set_stance("force_eager")``); returns the undo."""
     stance = torch.compiler.set_stance("force_eager")  # takes effect at construction
     return lambda: stance.__exit__(None, None, None)

@@ -1,14 +1,7 @@
-"""Containment: the tracker's own failures and the steps that training aborted.
-
-``ErrorPolicy`` counts every internal failure, logs each kind once (``FailureLog``) and, after
-``max_errors`` of the tracker's own, calls ``on_disable`` (the tracker detaches itself; training
-goes on). Exporter failures are counted without counting towards the limit.
-
-``StepAborts`` keeps why and where the current step stopped: an exception recorded by the
-training code (``record``), a forward seen raising (the sink's always-called post-forward hooks
-without outputs), or ``step()`` called with a pass still open. It holds no exception, only its
-name, message, the FSDP module and state then, and the live breakdown.
-"""
+"""Containment: the tracker's own failures and the steps training aborted. ``ErrorPolicy`` counts every failure,
+logs each kind once and, after ``max_errors`` of the tracker's own (exporters' don't count), calls ``on_disable``.
+``StepAborts`` keeps why and where the step stopped (``record``, a forward seen raising, ``step()`` with a pass
+open): no exception, only its name, message, the FSDP module and state, and the live breakdown."""
 
 from __future__ import annotations
 
@@ -27,8 +20,7 @@ logger = logging.getLogger(__name__)
 
 
 class ErrorPolicy:
-    """Counts and logs failures; after ``max_errors`` of the tracker's own (0: never), calls
-    ``on_disable`` once."""
+    """Counts and logs failures; after ``max_errors`` of its own (0: never), calls ``on_disable`` once."""
 
     def __init__(self, max_errors: int, on_disable: Callable[[], None], log: logging.Logger = logger) -> None:
         self.failures = FailureLog(log, "tracker")

@@ -1,19 +1,8 @@
-"""Deep mode: per-op accounting through a TorchDispatchMode, active during deep steps only.
-
-Every op's outputs are accounted in the ledger under the category the step is in (optimizer
-state inside ``optimizer.step``, temp in backward outside activation-checkpoint recompute,
-activation otherwise), and FSDP's collectives relabel their buffers, the same rules as upstream
-``FSDPMemTracker``. Unlike upstream, the per-op work is O(1): no loop over modules (per-module
-peaks are kept by the ledger's nested windows).
-
-A buffer a collective's backend allocates itself is seen only through the views of it that the
-backend's ``wait`` makes: gloo's reduce-scatter all-reduces a clone of its input and copies this
-rank's chunk out of it. Its worker thread, which holds that clone too, frees it when it gets to it:
-right away in most steps, after the next module's unshard in others. Such buffers (a view of a
-storage never seen, after a reduce-scatter, in the post-backward that ran it) end when FSDP's
-post-backward returns (``release_backend_buffers``), so a peak does not depend on another
-thread's timing.
-"""
+"""Deep mode: per-op accounting through a TorchDispatchMode, during deep steps only. Every op's outputs count under
+the step's category (optimizer state in ``optimizer.step``, temp in backward outside AC recompute, else activation)
+and collectives relabel their buffers, as upstream ``FSDPMemTracker``, but O(1) per op. A buffer a collective's
+backend allocates itself (gloo's reduce-scatter clones its input), freed by a worker thread whenever, ends when
+FSDP's post-backward returns (``release_backend_buffers``): peaks do not depend on thread timing."""
 
 from __future__ import annotations
 
@@ -42,8 +31,7 @@ _in_backward = torch._C._current_graph_task_id
 
 
 class DeepMode(TorchDispatchMode):
-    """Accounts every op's output storages in ``ledger``, labelled by what ``context`` says is
-    running; its own failures go to ``on_error`` (never raised into the op)."""
+    """Accounts every op's output storages in ``ledger`` as ``context`` says; failures go to ``on_error``."""
 
     def __init__(self, ledger: Ledger, context: StepContext, on_error: Callable[[BaseException], None]) -> None:
         super().__init__()
@@ -100,8 +88,7 @@ def _note_unseen(ledger: Ledger, res: Any, found: list[weakref.ref[torch.Untyped
 
 
 def release_backend_buffers(ledger: Ledger, context: StepContext) -> None:
-    """FSDP's post-backward returned: the backend buffers its reduce-scatter made leave the
-    accounts now, whether or not the backend's thread has freed them yet."""
+    """FSDP's post-backward returned: its reduce-scatter's backend buffers leave the accounts, freed or not."""
     found, context.backend_buffers = context.backend_buffers, None
     for ref in found or ():
         st = ref()
@@ -110,12 +97,7 @@ def release_backend_buffers(ledger: Ledger, context: StepContext) -> None:
 
 
 class _ResizeWatch:
-    """One process-wide wrapper of ``UntypedStorage.resize_`` shared by all deep-mode ledgers.
-
-    ``resize_`` on a storage does not go through the dispatcher, and FSDP frees and re-allocates
-    unsharded parameters with it. The wrapper is installed while at least one ledger listens and
-    the original is put back when the last one leaves (if nobody replaced our wrapper since).
-    """
+    """One process-wide ``UntypedStorage.resize_`` wrapper (FSDP frees with it, outside the dispatcher)."""
 
     def __init__(self) -> None:
         self._ledgers: weakref.WeakSet[Ledger] = weakref.WeakSet()

@@ -1,14 +1,7 @@
-"""Deep-mode control: which steps run deep, when the dispatch mode goes on and off, and the
-compile stance.
-
-A step due to run deep (``TrackerConfig.is_deep``) enters ``DeepMode`` at its first FSDP forward,
-where a compiled caller shows (an outer ``torch.compile(model)``, a compiled training step):
-entered earlier, the dispatch mode would make dynamo run that caller eagerly, changing the run.
-On a model that runs compiled code the step stays light and says why (``skipped``), unless
-``deep_when_compiled="eager"``: then the whole step runs eagerly (``set_stance("force_eager")``).
-While deep, the ledger takes peaks per op and the adapter accounts FSDP's buffers per tensor; at
-the step's end everything goes back. Failures go to ``on_error``, never to training.
-"""
+"""Deep-mode control: which steps run deep, when the dispatch mode goes on and off, and the compile stance. A step
+due to run deep enters ``DeepMode`` at its first FSDP forward, where a compiled caller shows (entered earlier, the
+mode would make dynamo run that caller eagerly). On a model that runs compiled code the step stays light
+(``skipped``), unless ``deep_when_compiled="eager"`` runs it all eagerly. Failures go to ``on_error``."""
 
 from __future__ import annotations
 
@@ -30,11 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class DeepSteps:
-    """Runs the steps due to run deep in deep mode, from their first FSDP forward to their end.
-
-    ``adapter`` needs ``use_tensors(on)``; ``sink`` is the hot path whose ``on_forward`` calls
-    ``start_pending``.
-    """
+    """Runs the steps due to run deep in deep mode, from their first FSDP forward to their end."""
 
     def __init__(self, config: TrackerConfig, model: nn.Module, ledger: Ledger, context: StepContext, sink: Sink,
                  adapter: Any, on_error: Callable[[BaseException], None]) -> None:

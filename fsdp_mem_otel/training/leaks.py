@@ -1,18 +1,8 @@
-"""Leak detection: what stays alive at the end of each step, and whether it grows.
-
-At every step end (after the optimizer step, where a healthy step holds no saved activation and
-no temporary), ``LeakWatch.observe`` gets the live breakdown and, from light mode's saved-tensor
-accounting, the bytes each FSDP module's saved tensors, inputs and outputs still hold. It keeps
-the last ``window`` step-end totals per category and calls a category growing when, over those
-steps (at least ``2 * min_steps`` of them), it never fell and rose at least ``min_steps`` times
-and at half the steps or more: a
-plateau after warm-up, the optimizer state created at step 1, a learning-rate warm-up that
-changes nothing in memory, never qualify; a graph kept alive every step (``losses.append(loss)``
-with ``retain_graph``), a list of each step's inputs, do, even every other step. The growth per
-step is the least-squares slope over the window. The tracker takes the report when it is read
-(``observe_later``): the step end only keeps its totals and takes the window and the holders.
-Plain Python: unit-tested without FSDP.
-"""
+"""Leak detection: what stays alive at each step's end, and whether it grows. ``LeakWatch`` keeps the last
+``window`` step-end totals per category and calls one growing when, over at least ``2 * min_steps`` of them, it
+never fell and rose ``min_steps`` times and at half the steps or more: a plateau, the optimizer state created at
+step 1, a learning-rate warm-up that changes nothing in memory never qualify; a graph kept every step
+(``losses.append(loss)``) does, even every other step."""
 
 from __future__ import annotations
 
@@ -43,23 +33,17 @@ class LeakWatch:
             raise ValueError(f"min_steps must be an int from 2 to window / 2 ({window // 2}); got {min_steps!r}")
         self.window = window
         self.min_steps = min_steps
-        # per step end, bytes indexed like _KEYS; only appended to (a report reads its window in it
-        # later), and started again from the last window when twice as long
+        # per step end, bytes indexed like _KEYS; only appended to (reports read it later); restarted at 2 windows
         self._ends: list[tuple[int, ...]] = []
 
     def observe(self, current: DeviceBreakdown, held: dict[str, int]) -> LeakReport | None:
-        """One step end: its live breakdown and the bytes each module's tensors still hold.
-        Returns what is growing and who holds what, or None when nothing is."""
+        """One step end: what is growing and who holds what, or None when nothing is."""
         counters = {d: tuple(cats.get(c, 0) for c in _KEYS) for d, cats in current.items()}
         return self.observe_later(counters, held)()
 
     def observe_later(self, snap: Any, held: dict[str, int]) -> Callable[[], LeakReport | None]:
-        """``observe`` with the live breakdown as a snapshot's counters (``schema.device_counters``:
-        per device, bytes indexed like ``CATEGORY_KEYS``), as the tracker has it at a step end; its
-        report as a function that builds it when called, on any thread, at any time (the window
-        and the holders as they are now)."""
-        # every step, on the training thread: the step end kept, where its window ends and the
-        # holders taken (no copy of the window: a step end touches as little as it can)
+        """``observe`` with a snapshot's counters; the report built when called, on any thread."""
+        # every step, on the training thread: keep the totals, no copy of the window
         if len(snap) == 2 and snap.__class__ is tuple:  # one device: nearly every job
             totals = snap[1]
         else:
@@ -75,15 +59,13 @@ class LeakWatch:
 
 def _leak_report(log: list[tuple[int, ...]], n: int, window: int, holding: list[tuple[str, int]],
                  min_steps: int) -> LeakReport | None:
-    """What grows over the ``window`` step ends of ``log`` before ``n`` (its step end), and who of
-    ``holding`` (the modules holding bytes then) holds most; None when nothing does."""
+    """What grows over the ``window`` step ends before ``n``, and who of ``holding`` holds most; None: nothing."""
     ends = log[max(0, n - window):n]
     growing: dict[str, float] = {}
     if len(ends) >= 2 * min_steps:
         first, totals = ends[0], ends[-1]
         for i, last in enumerate(totals):
-            # Never falling and rising at least once means ending above the start: the common
-            # flat category is settled here, without a call.
+            # ending above the start settles the common flat category without a call
             if last > first[i] and (slope := _growth(ends, i, min_steps)) > 0:
                 growing[_KEYS[i]] = slope
     if not growing and not holding:  # at a healthy step's end: no holder
@@ -95,9 +77,7 @@ def _leak_report(log: list[tuple[int, ...]], n: int, window: int, holding: list[
 
 
 def _growth(ends: list[tuple[int, ...]], i: int, min_steps: int) -> float:
-    # Category ``i`` over the window (built-ins over it: a leaking job's every report runs this for
-    # each growing category): never falling, rising at least ``min_steps`` times and at half the
-    # steps or more; the slope is the least-squares one, in closed form for x = 0..n-1.
+    # Category ``i``: never falling, rising ``min_steps`` times and at half the steps; closed-form LSQ slope.
     ys = list(map(itemgetter(i), ends))
     n = len(ys)
     if n < 2 * min_steps or ys[-1] <= ys[0] or ys != sorted(ys):

@@ -1,14 +1,7 @@
-"""Optimizer tracking: which torch optimizers a training passes, and their state as memory.
-
-``unwrap_optimizers`` finds the torch optimizers behind what the user passes: the optimizer
-itself, the one a wrapper holds (accelerate's ``AcceleratedOptimizer``, Lightning's
-``LightningOptimizer``: ``.optimizer`` / ``._optimizer``), or every one a container holds in
-``.optimizers`` (torchtitan's ``OptimizersContainer``, a torch ``Optimizer`` whose own ``state``
-stays empty). ``OptimizerWatch`` hooks each of them: their step marks the optimizer phase for
-deep mode, and after it new state tensors enter the ledger as ``optimizer_state``. When an
-optimizer has stepped, holds no state and the model's parameters have gradients, that is
-noticed (``no_state``), so an optimizer_state of 0 is never silent.
-"""
+"""Optimizer tracking: the torch optimizers behind what the user passes (the optimizer; a wrapper's ``.optimizer``
+/ ``._optimizer``, as accelerate's and Lightning's; each of a container's ``.optimizers``, as torchtitan's), and
+their state as memory. ``OptimizerWatch`` hooks their step: the optimizer phase for deep mode, new state tensors as
+``optimizer_state``, and ``no_state`` (stepped with gradients, no state)."""
 
 from __future__ import annotations
 
@@ -104,9 +97,7 @@ class OptimizerWatch:
         self._handles.append(opt.register_load_state_dict_post_hook(self._state_replaced))
 
     def detach(self) -> None:
-        """Remove the hooks; called from one of them (the error limit reached there), only
-        switch them off: the optimizer is iterating its hooks, and removing one would break its
-        step. ``step_end`` removes them then."""
+        """Remove the hooks; inside one, only switch them off (removing breaks the step; ``step_end`` does it)."""
         if self._in_hook:
             self._off = True
             return
@@ -119,10 +110,7 @@ class OptimizerWatch:
         return [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
 
     def track_state(self) -> int:
-        """Account state tensors not seen before; returns how many state tensors there are.
-
-        Optimizer state tensors are created once and updated in place: only new ones (first step,
-        load_state_dict) need the ledger; the rest is one dict lookup each."""
+        """Account state tensors not seen before (created once, updated in place); returns how many there are."""
         known, count = self._known, 0
         for opt in self.optimizers:
             for state in opt.state.values():
@@ -139,8 +127,7 @@ class OptimizerWatch:
         return count
 
     def _state_changed(self) -> bool:
-        """Whether a scan could find state tensors not accounted yet: an optimizer's state holds
-        other parameters, was replaced, or one of its tensors was freed (a replacement made)."""
+        """Whether a scan could find new state tensors (a state resized or replaced, a tensor freed)."""
         if self._ledger.freed[_OPTIMIZER_STATE] != self._freed_seen:  # read without replaying the step's log
             return True
         seen = self._seen
@@ -154,8 +141,7 @@ class OptimizerWatch:
     def _state_replaced(self, *_: Any) -> None:
         self._seen = []  # load_state_dict: scan after the next step
     def step_end(self) -> None:
-        """At the end of a training step: notice (once, logged) optimizers that stepped with
-        gradients present and hold no state; optimizer_state then reads 0 for a reason to say."""
+        """At a step's end: notice (once, logged) an optimizer stepped with gradients and holding no state."""
         if self._off:
             self.detach()
         stepped, self._stepped_with_grads = self._stepped_with_grads, False
@@ -174,8 +160,7 @@ class OptimizerWatch:
         self._context.in_optimizer = True
         self._in_hook = True
         try:
-            # optimizer.step(closure): the closure's forward and backward are not optimizer work.
-            # ``args`` are step()'s own: the optimizer itself, then the closure if positional.
+            # step(closure): its forward and backward are not optimizer work (``args`` may lead with ``opt``)
             if kwargs.get("closure") is not None:
                 return args, {**kwargs, "closure": self._outside_optimizer(kwargs["closure"])}
             first = 1 if args and args[0] is opt else 0
@@ -205,8 +190,7 @@ class OptimizerWatch:
             return
         self._in_hook = True
         try:
-            # optimizer state tensors are created once and updated in place: scan only when that
-            # may have changed, not every step
+            # state tensors are created once and updated in place: scan only when that may have changed
             count = self.track_state() if self._state_changed() else self._state_tensors
             if count == 0 and not self.no_state and not self._stepped_with_grads:
                 self._stepped_with_grads = _has_grads(opt)

@@ -1,52 +1,25 @@
 """Shadow peaks: the training script keeps its own CUDA peak statistics while the tracker resets them.
 
-With ``reset_peaks`` (the default where CUDA is) the tracker reads and resets the caching
-allocator's peak counters at every peak-window edge (``allocator_temps.py``). Those counters are
-the process's, and the training script reads them too: ``torch.cuda.max_memory_allocated()``,
-``memory_stats()["active_bytes.all.peak"]`` (torchtitan's ``DeviceMemoryMonitor`` reads and resets
-them at every log step), HF Trainer's and Lightning's memory metrics. While a tracker holds a
-``PeakClient``, every Python reader of those statistics sees what it would see without the tracker,
-and the script's own resets work as before without shortening the tracker's windows:
+With ``reset_peaks`` the tracker resets the allocator's peak counters at every window edge; the script reads them
+too (``max_memory_allocated()``, torchtitan's ``DeviceMemoryMonitor``, HF's and Lightning's metrics). While a
+tracker holds a ``PeakClient``, every reader sees the peak since *its own* last reset: what a tracker reads before
+it resets goes into a per-device shadow maximum, which the wrapped readers merge and the script's reset clears; a
+reset by anyone else first folds the live peaks into each tracker's pending maxima.
 
-- the script's view: every reading a tracker takes right before it resets is folded into a
-  per-device shadow maximum of each ``*.peak`` entry; the wrapped readers return the larger of the
-  shadow and the live peak. The script's reset clears the shadow (after it, the live peak is the
-  script's peak again);
-- each tracker's view: a reset by the script, or by another tracker, first folds the live peaks
-  into that tracker's pending maxima, which its next reading (``read_and_reset``) includes.
+Where torch's readers go (torch 2.13-2.14): ``torch.cuda.memory_stats``, ``max_memory_*`` and ``memory_summary``
+call ``torch.cuda.memory.memory_stats_as_nested_dict`` by its module-global name; ``reset_max_memory_*`` call
+``torch.cuda.memory.reset_peak_memory_stats``; ``torch.accelerator.max_memory_*`` call
+``torch.accelerator.memory.memory_stats``. These four are wrapped under their module's name and re-export
+(``PATCHED``) from the first ``acquire()`` to the last ``release()``.
 
-So every reader, the script and each tracker, sees the peak since *its own* last reset, whoever
-else resets in between.
-
-Where torch's readers go (read in torch 2.13 and 2.14, ``torch/cuda/memory.py`` and
-``torch/accelerator/memory.py``): ``torch.cuda.memory_stats``, ``max_memory_allocated``,
-``max_memory_reserved``, ``max_memory_cached``, ``memory_summary`` all call
-``torch.cuda.memory.memory_stats_as_nested_dict`` by its module-global name, and
-``reset_max_memory_allocated`` / ``reset_max_memory_cached`` call
-``torch.cuda.memory.reset_peak_memory_stats``; ``torch.accelerator.max_memory_allocated`` /
-``max_memory_reserved`` call ``torch.accelerator.memory.memory_stats``. So four functions are
-wrapped, each under its module's name and under its re-export (``torch.cuda.X``,
-``torch.accelerator.X``): eight attributes (``PATCHED``), and everything above them follows. The
-first ``acquire()`` installs the wrappers; the last ``release()`` puts the originals back (the same
-objects), unless someone replaced a wrapper meanwhile (then theirs is left, and it is logged).
-
-Not shadowed (the live counters are read there, with the tracker's resets in them):
-
-- C++ readers: ``c10::cuda::CUDACachingAllocator::getDeviceStats`` called from C++ (extensions,
-  other runtimes in the process), and Python code calling the C bindings directly
-  (``torch._C._cuda_memoryStats``, ``torch._C._accelerator_getDeviceStats``);
-- a name bound to one of the four wrapped functions before the tracker attached
-  (``from torch.cuda.memory import memory_stats_as_nested_dict``, a ``functools.partial`` of it);
-  names bound to the readers above them (``from torch.cuda import max_memory_allocated``) follow;
-- after the last tracker detaches, the shadow goes with the wrappers: a reader then sees the peak
-  since the tracker's last reset (its last window edge or step end), not since the script's;
-- NVML / nvidia-smi (device memory in use, no peak counters: nothing to shadow), and the host
-  (pinned memory) allocator's statistics, which the tracker never resets.
-
-The tracker's own readings go to the saved originals (``raw_stats``, ``PeakClient.read_and_reset``):
-the fold happens only where the tracker already reads before it resets, so the hot path gains one
-pass over the nested dict's ``peak`` entries per edge and nothing else.
-"""
+Not shadowed (the live counters, with the tracker's resets in them):
+- C++ readers (``c10::cuda::CUDACachingAllocator::getDeviceStats``: extensions, other runtimes) and Python calling
+  the C bindings (``torch._C._cuda_memoryStats``, ``torch._C._accelerator_getDeviceStats``);
+- a name bound to one of the four wrapped functions before attach (``from torch.cuda.memory import
+  memory_stats_as_nested_dict``, a ``functools.partial``); names bound to the readers above them follow;
+- after the last tracker detaches, the shadow goes with the wrappers: a reader sees the peak since the tracker's
+  last reset;
+- NVML / nvidia-smi (no peak counters), and the host (pinned memory) allocator's statistics, never reset."""
 
 from __future__ import annotations
 
@@ -61,8 +34,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-#: (module, attribute) of every function wrapped: the two bottom readers and the two resets, each
-#: under its defining module's name (what the readers above it call) and its re-export
+#: (module, attribute) of each function wrapped (two readers, two resets), under its module and its re-export
 PATCHED: tuple[tuple[str, str], ...] = (
     ("torch.cuda.memory", "memory_stats_as_nested_dict"),
     ("torch.cuda", "memory_stats_as_nested_dict"),
@@ -74,8 +46,7 @@ PATCHED: tuple[tuple[str, str], ...] = (
     ("torch.accelerator", "reset_peak_memory_stats"),
 )
 
-#: nested peaks of one device: the shape of ``memory_stats_as_nested_dict`` down to each counter
-#: dict ({"current", "peak", "allocated", "freed"}), which is replaced by its peak
+#: one device's nested peaks: ``memory_stats_as_nested_dict``'s shape, each counter dict replaced by its peak
 Peaks = dict[Any, Any]
 
 _lock = threading.RLock()
@@ -90,11 +61,7 @@ _raw_reset: Callable[[int], None] | None = None
 
 
 def fold(into: Peaks, stats: dict[Any, Any]) -> None:
-    """Fold every ``peak`` of nested ``stats`` into ``into`` (the larger stays).
-
-    On the tracker's hot path (once per window edge and device): two levels unrolled, as
-    ``memory_stats_as_nested_dict`` nests them (statistic -> pool -> counters); deeper ones
-    (private pools: statistic -> pool id -> pool -> counters) recurse."""
+    """Fold every ``peak`` of nested ``stats`` into ``into`` (the larger stays); hot: two levels unrolled."""
     for k, v in stats.items():
         if v.__class__ is not dict:
             continue
@@ -156,8 +123,7 @@ def _reset_now(device: int) -> None:
 
 
 class PeakClient:
-    """A tracker's hold on the allocator's peak counters (``acquire()``): it reads and resets them
-    through ``read_and_reset``, and every other reader keeps its own view."""
+    """A tracker's hold on the peak counters (``acquire()``): it reads and resets through ``read_and_reset``."""
 
     def __init__(self) -> None:
         #: device index -> peaks folded in at others' resets since this client's last
@@ -165,8 +131,7 @@ class PeakClient:
         self.released = False
 
     def read_and_reset(self, device: int) -> dict[str, Any]:
-        """The nested statistics of ``device`` with the peaks since this client's last reset
-        (others' resets in between included), then reset: the other readers' views keep these."""
+        """``device``'s nested statistics with the peaks since this client's last reset, then reset."""
         with _lock:  # read, fold and reset as one: a reset in between would be folded twice or lost
             stats = raw_stats(device)
             if not stats:
@@ -214,8 +179,7 @@ def installed() -> bool:
 
 
 def _script_reset(device: int) -> None:
-    """The script resets ``device``'s peaks: each client keeps what it has not read yet, and the
-    script's shadow restarts (after the reset, the live peaks are the script's)."""
+    """The script resets ``device``'s peaks: clients keep what they have not read; its shadow restarts."""
     stats = raw_stats(device)
     if stats:
         for client in _clients:

@@ -1,11 +1,6 @@
-"""The torch versions this package is tested with, and the one warning for the others.
-
-The adapters (``training/adapters``) read FSDP internals, and ``shadow_peaks`` relies on where
-torch's memory readers call each other: both change between torch releases without notice. On a
-version outside the tested range a changed internal can lose a category or a shadowed reader
-without a word, so the tracker says so at attach: one log line per process, naming the version and
-the range, and ``WARNING_TORCH_UNTESTED`` in every report's ``warnings``.
-"""
+"""The torch versions this package is tested with, and the one warning for the others: the adapters and
+``shadow_peaks`` read torch internals that change without notice, so on an untested version the tracker says so at
+attach (one log line per process, and ``WARNING_TORCH_UNTESTED`` in every report)."""
 
 from __future__ import annotations
 
@@ -33,8 +28,7 @@ def tested_range() -> str:
 
 
 def is_tested(version: str) -> bool:
-    """Whether torch ``version`` ("2.13.0+cu130", "2.14.1", "2.15.0.dev20260101") is in ``TESTED_RANGE``;
-    a version that does not parse is not."""
+    """Whether torch ``version`` ("2.13.0+cu130", "2.15.0.dev20260101") is in ``TESTED_RANGE``; unparsable: no."""
     m = re.match(r"(\d+)\.(\d+)", version)
     if m is None:
         return False
@@ -43,8 +37,7 @@ def is_tested(version: str) -> bool:
 
 
 def check_torch(version: str | None = None) -> bool:
-    """True where torch ``version`` (default: the one imported) is untested; the first such call
-    of the process logs ``UNTESTED`` at WARNING."""
+    """True where torch ``version`` (default: the imported one) is untested; logs ``UNTESTED`` once a process."""
     global _warned
     version = str(torch.__version__) if version is None else version
     if is_tested(version):

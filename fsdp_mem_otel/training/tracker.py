@@ -1,10 +1,5 @@
-"""The tracker's public lifecycle: attach, step, detach, close, from_env.
-
-It composes the parts that do the work: the FSDP adapter and the hot path it calls
-(``sink.py``), deep-mode control (``deep_steps.py``), optimizer tracking (``optimizers.py``),
-error containment and aborted steps (``containment.py``), and turns each step into a
-``StepReport`` for the exporters.
-"""
+"""The tracker's public lifecycle (attach, step, detach, close, from_env), composing the adapter and hot path
+(``sink.py``), ``deep_steps.py``, ``optimizers.py`` and ``containment.py`` into a ``StepReport`` per step."""
 
 from __future__ import annotations
 
@@ -59,26 +54,20 @@ class FSDPMemoryTracker:
     """Per-module, per-state memory of an FSDP model, for every step of a run.
 
     Args:
-        model: a model wrapped with FSDP2 (``fully_shard``) or FSDP1 (``FullyShardedDataParallel``),
-            possibly inside wrappers (torch.compile, Lightning Fabric, DDP-style ``module``).
-        optimizer: its optimizer, to account optimizer state (optional). Wrappers holding the
-            torch optimizer as ``.optimizer`` or ``._optimizer`` (accelerate's
-            ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) are unwrapped, and
-            containers holding several as ``.optimizers`` (torchtitan's ``OptimizersContainer``)
-            are tracked through each of them.
+        model: a model wrapped with FSDP2 (``fully_shard``) or FSDP1 (``FullyShardedDataParallel``), possibly
+            inside wrappers (torch.compile, Lightning Fabric, DDP-style ``module``).
+        optimizer: its optimizer (optional), for optimizer state; wrappers (``.optimizer`` / ``._optimizer``:
+            accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) are unwrapped, containers
+            (``.optimizers``: torchtitan's ``OptimizersContainer``) tracked through each.
         mode: "light" (default: no per-op cost) or "deep" (every op accounted).
         deep_every: with mode="light", run every Nth step deep (0 = never).
         config: a full TrackerConfig instead of mode/deep_every.
-        exporters: objects with export(report)/shutdown() (see fsdp_mem_otel.exporters) that get
-            every StepReport; their failures are counted and logged, never raised.
+        exporters: objects with export(report)/shutdown() (fsdp_mem_otel.exporters) given every StepReport.
 
-    Use ``with tracker:`` (or attach()/detach()) around the whole run and call ``step()`` once per
-    training step, after ``optimizer.step()``, from the thread that attached (FSDP hooks may fire
-    on autograd's threads; that is fine). Internal failures are logged once, counted in
-    ``errors_total`` and never raised into training; an attach() that fails leaves every hook
-    and attribute as it was. ``step()`` with no forward in between returns a report with no
-    module snapshots; calling it twice in a row is harmless.
-    """
+    Use ``with tracker:`` (or attach()/detach()) around the whole run and call ``step()`` once per training step,
+    after ``optimizer.step()``, from the thread that attached. Internal failures (exporters' too) are logged once,
+    counted in ``errors_total`` and never raised into training; a failed attach() changes nothing. ``step()`` with
+    no forward in between reports no module snapshots."""
 
     def __init__(
         self,
@@ -122,9 +111,8 @@ class FSDPMemoryTracker:
 
     @classmethod
     def from_env(cls, model: nn.Module, optimizer: Any = None) -> FSDPMemoryTracker:
-        """A tracker configured entirely from the environment: TrackerConfig.from_env() for how
-        to measure, ExportConfig.from_env() (plus the standard OTEL_* variables) for where the
-        reports go. The usual way to switch it on in a torchrun or Kubernetes job."""
+        """A tracker configured from the environment (TrackerConfig.from_env(), ExportConfig.from_env(), OTEL_*):
+        the usual switch in a torchrun or Kubernetes job."""
         from fsdp_mem_otel.exporters import build_exporters
 
         config = TrackerConfig.from_env()
@@ -135,11 +123,8 @@ class FSDPMemoryTracker:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def attach(self) -> FSDPMemoryTracker:
-        """Install hooks; the first step starts now. Calling it twice is a no-op.
-
-        All or nothing: if anything fails half-way, what was installed is removed again, the
-        failure is logged and counted, and training goes on untracked (``attached`` stays False).
-        """
+        """Install hooks; the first step starts now. All or nothing: a failure removes what was installed, is
+        logged and counted, and training goes on untracked."""
         if self.attached or not self.config.enabled:
             return self
         try:
@@ -195,11 +180,8 @@ class FSDPMemoryTracker:
         self.detach()
 
     def step(self) -> StepReport:
-        """Close the current step: return its report and start the next one.
-
-        Live tensors (params, grads, optimizer state) stay accounted; module snapshots and peaks
-        restart. Call it once per training step, after the optimizer step.
-        """
+        """Close the current step: its report. Live tensors stay accounted; snapshots and peaks restart. Call once
+        per training step, after the optimizer step."""
         if self._owner_thread is not None and threading.get_ident() != self._owner_thread:
             raise RuntimeError(
                 "tracker.step() must be called from the thread that called attach() (the training "
@@ -262,9 +244,7 @@ class FSDPMemoryTracker:
 
     @contextlib.contextmanager
     def saved_activations(self) -> Iterator[None]:
-        """Light mode: account what autograd saves inside the block as activations, for work
-        outside any FSDP module's forward, such as a loss computed after the model
-        (``with tracker.saved_activations(): loss = loss_fn(pred, labels)``)."""
+        """Light mode: what autograd saves in the block counts as activations (e.g. computing the loss)."""
         acts = self._sink.scoped_activations
         pushed = self.attached and not self._deep.active and self.config.activations and acts.push()
         try:
@@ -278,12 +258,8 @@ class FSDPMemoryTracker:
         self._optimizers.add(unwrap_optimizers(optimizer), self.attached)
 
     def record_exception(self, exc: BaseException) -> None:
-        """Mark the current step as stopped by ``exc`` (e.g. torch.OutOfMemoryError).
-
-        Keeps which FSDP module and state were active and the live breakdown at this moment; the
-        next ``step()`` reports them in ``StepReport.aborted`` with the step's peak so far, and
-        the step after that is tracked normally. ``step_scope()`` calls this for you.
-        """
+        """Mark the current step as stopped by ``exc`` (e.g. torch.OutOfMemoryError): the FSDP module, state and
+        live breakdown now go into the next ``StepReport.aborted``. ``step_scope()`` calls this for you."""
         if self.attached:
             try:
                 self._aborts.record(exc)
@@ -292,8 +268,7 @@ class FSDPMemoryTracker:
 
     @contextlib.contextmanager
     def step_scope(self) -> Iterator[None]:
-        """``with tracker.step_scope(): forward/backward/optimizer`` records an exception that
-        escapes (then re-raises it). Call ``step()`` afterwards either way."""
+        """``with tracker.step_scope():`` records an escaping exception (re-raised); call ``step()`` anyway."""
         try:
             yield
         except BaseException as exc:
@@ -301,14 +276,10 @@ class FSDPMemoryTracker:
             raise
 
     def report_error(self, exc: BaseException, may_disable: bool = True) -> None:
-        """Count an internal failure, log it once per kind, and detach after too many
-        (``max_errors``) of the tracker's own; exporter failures pass ``may_disable=False``."""
+        """Count an internal failure, log each kind once, detach after ``max_errors`` of the tracker's own."""
         self._errors.report(exc, may_disable)
 
-    # -- state: errors (exporters' included), self-disabling, deep steps skipped by reason, the
-    # tracked FSDP modules' keys (named_modules() order), the torch optimizers behind what was passed
-    # (``optimizer``: the first of them, the only one unless a container was passed, or None), what is
-    # wrong with the setup being measured (``schema.WARNINGS`` and more, as in each report; ``_setup_warnings``)
+    # -- state: errors, self-disabling, skipped deep steps, module keys, optimizers (``optimizer``: the first)
     errors_total = property(lambda self: self._errors.total)
     failures: FailureLog = property(lambda self: self._errors.failures)  # type: ignore[assignment]
     disabled = property(lambda self: self._errors.disabled)
@@ -321,16 +292,14 @@ class FSDPMemoryTracker:
 
 
 def _setup_warnings(tracker: FSDPMemoryTracker) -> list[str]:
-    """What is wrong with the setup ``tracker`` measures (``schema.WARNINGS``, and
-    ``WARNING_TORCH_UNTESTED`` where it attached on a torch outside the tested range)."""
+    """What is wrong with the setup ``tracker`` measures (``schema.WARNINGS``; ``WARNING_TORCH_UNTESTED``)."""
     flags = ((WARNING_OPTIMIZER_NO_STATE, tracker._optimizers.no_state),
              (WARNING_NOTHING_SHARDED, tracker._nothing_sharded), (WARNING_TORCH_UNTESTED, tracker._untested_torch))
     return [kind for kind, on in flags if on]
 
 
 def attached_trackers() -> list[FSDPMemoryTracker]:
-    """Every tracker of this process that is attached now (``fsdp_mem_otel.run`` leaves a model
-    that the training's own tracker measures to that one)."""
+    """Every attached tracker of this process (``fsdp_mem_otel.run`` leaves a model a tracker measures to it)."""
     return [t for t in list(_TRACKERS) if t.attached]
 
 
@@ -351,9 +320,7 @@ def _checked(model: nn.Module, mode: str | None, deep_every: int | None, config:
 
 
 def _failed_later(tracker: weakref.ref[FSDPMemoryTracker], exc: Exception) -> None:
-    """A report's field built when read (``StepReport.fill_later``), perhaps on an exporter's
-    thread, failed: counted, not towards detaching (the tracker held weakly: a report kept must
-    not keep the model)."""
+    """A report's field built when read failed: counted, not towards detaching (the tracker held weakly)."""
     counting = tracker()
     if counting is not None:
         counting.report_error(exc, may_disable=False)

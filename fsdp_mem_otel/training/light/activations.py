@@ -1,32 +1,10 @@
-"""Light-mode activations: the tensors autograd saves for backward, seen through saved-tensor hooks.
-
-During each outermost FSDP module's forward, ``SavedTensorAccounting`` keeps autograd's default
-saved-tensor hooks pushed (``torch.autograd.graph.saved_tensors_hooks``, the mechanism
-``save_on_cpu`` and activation checkpointing use). Its pack hook accounts the storage of every
-tensor autograd saves as ``activation`` unless the ledger already knows it (parameters, inputs,
-gradients keep their own category) and hands autograd a detached alias with the tensor's version;
-unpack gives it back after autograd's own version check (which saved-tensor hooks turn off: an
-in-place change of a saved tensor raises as it does untracked).
-The storage's bytes leave the ledger when it is freed, i.e. when backward releases it. There is
-no per-op interception: the hooks run once per saved tensor, on every step.
-
-Composition:
-- Hooks pushed by the user before the forward (``save_on_cpu``, custom offloading) would be
-  shadowed by ours; instead ours chain to them: their pack runs, the saved tensor and what their
-  pack returns are accounted (a CPU copy counts on the CPU; the original drops out when freed),
-  and their unpack is kept.
-- An FSDP module recomputed inside a checkpointed region (its hooks fire during backward): ours
-  chain to checkpointing's recomputation hooks for that recompute, so what it recomputes counts.
-- Activation checkpointing pushes its own hooks inside the checkpointed region: those win there,
-  and what checkpointing keeps (its inputs) is saved under ours.
-- Compiled regions save through AOTAutograd's ``save_for_backward``, which calls the same hooks
-  at run time (dynamo defers them while it traces).
-
-The hooks live on the forward thread's stack and are popped when the outermost forward ends,
-also when it raises. ``torch.func`` transforms refuse to run while saved-tensor hooks are set:
-switch the accounting off (``TrackerConfig(activations=False)``) for models that call them inside
-an FSDP module's forward.
-"""
+"""Light-mode activations: the tensors autograd saves for backward, seen through saved-tensor hooks. During each
+outermost FSDP forward, ``SavedTensorAccounting`` keeps default saved-tensor hooks pushed: pack accounts each saved
+tensor's storage as ``activation`` unless the ledger knows it and hands over a detached alias with its version;
+unpack repeats the version check the hooks turn off. Hooks pushed before (``save_on_cpu``) are chained to, as are
+checkpointing's for an FSDP module it recomputes; inside its region checkpointing's win. ``torch.func`` transforms
+refuse to run while saved-tensor hooks are set: switch the accounting off (``TrackerConfig(activations=False)``)
+for models that call them inside an FSDP module's forward."""
 
 from __future__ import annotations
 
@@ -47,9 +25,7 @@ _hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled  # type: ign
 
 
 def _unpack(packed: Any) -> torch.Tensor:
-    # Autograd checks a saved tensor's version only when no saved-tensor hooks are set: ours
-    # repeat its check, so that an in-place change of a saved tensor still raises as it would
-    # untracked instead of giving wrong gradients.
+    # Autograd skips its version check under saved-tensor hooks: repeat it, so an in-place change still raises.
     if packed.__class__ is not tuple:
         return packed  # type: ignore[no-any-return]
     t, version = packed
@@ -64,9 +40,7 @@ def _unpack(packed: Any) -> torch.Tensor:
 
 
 def _remove_hooks(pack: Callable[[torch.Tensor], Any]) -> None:
-    """Take the hooks whose pack is ``pack`` off this thread's stack, putting back, in order,
-    those pushed above them since (none found: the stack as it was). Where pushing is disabled
-    (AOTAutograd's runtime, ``torch.func``), only from the top: theirs could not be put back."""
+    """Take the hooks with ``pack`` off this thread's stack, pushing those above back (none where disabled)."""
     top = _top_hooks(True)
     if top is None or top[0] is pack or not _hooks_enabled():
         if top is not None and top[0] is pack:
@@ -102,9 +76,7 @@ class SavedTensorAccounting:
         return self._pushed is not None
 
     def push(self) -> bool:
-        """Start accounting saved tensors on this thread (the outermost forward begins); returns
-        whether this call pushed the hooks (False: pushed already, or the push failed), so that
-        only the caller that pushed them pops them."""
+        """Start accounting on this thread; whether this call pushed the hooks (only the pusher pops them)."""
         if self._pushed is not None:
             return False
         try:
@@ -121,13 +93,8 @@ class SavedTensorAccounting:
             return False
 
     def pop(self) -> None:
-        """Stop accounting (the outermost forward ended or raised); a no-op if not pushed. Where
-        hooks were pushed above ours since and are still there (a checkpointed region, the
-        user's ``save_on_cpu``, left open when the tracker detaches or a scope ends), ours are
-        taken out from under them and theirs stay, in order: left behind, ours would run on
-        every later forward of the thread. Hooks live per thread: popped from another thread
-        (a detach there), or where theirs could not be put back, ours stay where they are and
-        only hand tensors over, accounting nothing."""
+        """Stop accounting (a no-op if not pushed), taking ours out from under hooks pushed since, which stay; from
+        another thread, or where theirs could not be put back, ours stay and account nothing."""
         pack, self._pushed = self._pushed, None
         if pack is None:
             return
@@ -137,8 +104,7 @@ class SavedTensorAccounting:
             self._on_error(exc)
 
     def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int] | torch.Tensor:
-        # Popped, yet still called (left on a stack ``pop`` could not reach: see there): account
-        # nothing, but hand over as ever, the version check included.
+        # Popped, yet still called (a stack ``pop`` could not reach): account nothing, hand over as ever.
         if self._pushed is not None:
             try:
                 cls = type(t)  # the common cases (an activation, an unsharded weight), written out
@@ -151,11 +117,8 @@ class SavedTensorAccounting:
                     self._ledger.track_new_at(t, self._cat, self._owners[-1] if self._owners else None)
             except Exception as exc:  # noqa: BLE001 - accounting must never break autograd
                 self._on_error(exc)
-        # A saved output held as itself would tie it to its own grad_fn, a cycle through C++ that
-        # keeps it alive when a graph is dropped without backward: hand autograd a detached alias
-        # (it shares the version counter). A leaf (a parameter, an input) has no grad_fn to tie:
-        # it goes as it is (a detach costs ~1 us and one more tensor object for the collector, for
-        # 2 in 5 saved tensors). With the version now, for ``_unpack``'s check.
+        # A saved output held as itself ties to its grad_fn (a C++ cycle outliving a dropped graph): hand over a
+        # detached alias. A leaf has no grad_fn: as it is (a detach costs ~1 us).
         saved = t if t.is_leaf else t.detach()
         try:
             return saved, t._version

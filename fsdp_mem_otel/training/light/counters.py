@@ -1,28 +1,8 @@
-"""Counters of bytes per device and category, with per-step and per-window peaks.
-
-The arithmetic half of the ledger (``ledger.Ledger`` adds the tracked storages): every change of
-bytes goes through ``add_at``, O(1): it touches one device's counters, the step window and the
-innermost open window. Windows nest (a module's forward inside its parent's); closing one folds
-its peak into the enclosing window, which is how per-module peaks stay O(1) per update however
-many modules exist.
-
-Counters are per device a list indexed like ``CATEGORY_KEYS`` (``total`` last). A snapshot
-(``snap()``, a window's peak) is a ``Snap``: the counters as one flat tuple of device names and
-tuples of ints, which the cyclic collector stops tracking at the first collection it survives, so
-the step's hundreds of snapshots never reach an older generation (as dicts of lists they were
-promoted, and brought on full collections: benchmarks/README.md). The public
-``{category: bytes}`` dicts are built only for reports.
-
-Deferred (light mode, ``defer(True)``): a change of bytes is only appended to ``pending``, and so
-is each of the step recorder's events (``Sink``); ``flush()`` applies them in order, in one loop,
-the first time anything reads the counters (the optimizer hook, the step's end, an abort). In
-place each update touched counters, window peaks and sets that training's data had pushed out of
-the CPU caches; applied together they stay warm. Every reading method flushes first, so a reader
-sees what an immediate ledger would have shown. The recorder's events take no snapshot in this
-flush: it hands each flushed part of the log on (``retain``), and the step's
-``recorder.StepReplay`` replays it for the module snapshots when a report is read.
-Knows no torch.
-"""
+"""Counters of bytes per device and category, with per-step and per-window peaks: the ledger's arithmetic half
+(``ledger.Ledger`` adds the tracked storages); no torch. Every change (``add_at``) is O(1): one device's counters,
+the step window and the innermost open window; closing a window folds its peak into the enclosing one. A ``Snap``
+is one flat tuple, untracked by the cyclic collector after one collection. Light mode defers: changes and events go
+into the *log* (``pending``), applied in one loop by ``flush()`` when first read (caches stay warm)."""
 
 from __future__ import annotations
 
@@ -64,8 +44,7 @@ def totals_of(snap: Snap) -> dict[str, int]:
 
 
 class WindowWatch(Protocol):
-    """Told of every window edge, in time (``allocator_temps.AllocatorTemps`` reads the CUDA
-    allocator there); it may adjust each window's peak and the step's."""
+    """Told of every window edge, in time (``AllocatorTemps``); it may adjust the windows' and step's peaks."""
 
     def opened(self, current: RawBreakdown) -> None: ...
 
@@ -83,14 +62,8 @@ def _hand_on(keep: Callable[[list[Any]], None], part: list[Any], failures: list[
 
 
 class _Window:
-    """The peak of one span of time: per device, the largest total and the counters then.
-
-    Copying the counters at every new maximum would cost a copy per allocation while memory grows
-    (every saved activation in a forward); instead a device whose peak *is* the current counters
-    is marked live, and the ledger copies it only when those counters are about to change
-    downwards (a free, a relabel), when a nested window opens, or when it is read.
-    ``totals_only``: the largest totals alone, no counters copied (``snap`` is None).
-    """
+    """One span's peak: per device, the largest total and the counters then, copied only when about to shrink, a
+    window opens, or it is read (a live peak): not at every allocation. ``totals_only``: no counters."""
 
     __slots__ = ("live", "peak", "snap")
 
@@ -149,8 +122,7 @@ class Counters:
         self._cur: RawBreakdown = {}
         self._step = _Window({})
         self._windows: list[_Window] = []
-        # Light mode: every growth is a peak candidate. Deep mode turns this off and offers once
-        # per op (offer_current), the instants upstream MemTracker evaluates, so both agree.
+        # Light: every growth is a peak candidate; deep offers once per op (offer_current), as upstream MemTracker.
         self.offer_on_add = True
         self.window_watch: WindowWatch | None = None  # told of window edges, or None
         #: deferred mode: changes and recorder events waiting for ``flush``, flat (see ``flush``), else None
@@ -164,8 +136,7 @@ class Counters:
         self._retained: Callable[[list[Any]], None] | None = None
 
     def defer(self, on: bool) -> None:
-        """Queue changes until they are read (``on``) or apply them at once; never while a
-        ``window_watch`` reads the allocator at each window edge (that must happen in time)."""
+        """Queue changes until read (``on``) or apply them at once; never with a ``window_watch``."""
         self.flush()
         self.pending = [] if on and self.window_watch is None else None
 
@@ -176,20 +147,12 @@ class Counters:
         self.defer(watch is None)
 
     def retain(self, keep: Callable[[list[Any]], None] | None) -> None:
-        """Hand ``keep`` each flushed part of the log, in order (the step recorder replays it
-        again for its snapshots when they are read: ``recorder.StepReplay``); None: stop."""
+        """Hand ``keep`` each flushed part of the log, in order (for ``recorder.StepReplay``); None: stop."""
         self.flush()
         self._retained = keep
 
     def flush(self) -> None:
-        """Apply the pending changes and events in order (a no-op when there are none).
-
-        The log is one flat list of names, numbers and bound methods, which the cyclic collector
-        does not count (a tuple per entry brought collections, and promotions): an add is
-        ``device, category index, delta``; an event is ``method, n, *n args``, its time last. Each
-        goes in with one ``extend``, so that one queued from another thread never lands inside it.
-        A failing event does not stop the others: each goes to ``on_flush_error``, or the first is
-        raised at the end."""
+        """Apply the log in order; a failing event stops no other (``on_flush_error``, else the first raises)."""
         pending = self.pending
         if not pending or self._flushing:
             return
@@ -199,8 +162,7 @@ class Counters:
         failures: list[Exception] = []
         i = 0
         try:
-            # One list, consumed from the front: a change queued meanwhile (a free on another
-            # thread, or while flushing) lands behind these, in this loop or the next flush.
+            # Consumed from the front: a change queued meanwhile lands behind these (this loop or the next flush).
             while i < len(pending):
                 head = pending[i]
                 at = i
@@ -262,15 +224,13 @@ class Counters:
         return self._flushing
 
     def start_from(self, counters: RawBreakdown) -> None:
-        """Set the live counters to ``counters`` and start a step there (a step's snapshots
-        replayed when read, from the counters it began with)."""
+        """Set the live counters to ``counters`` and start a step there (a replayed step's start)."""
         self._cur = {d: c[:] for d, c in counters.items()}
         self.reset_step()
 
     # -- changes -------------------------------------------------------------------------------
     def add_at(self, device: str, cat: int, delta: int) -> None:
-        """Add ``delta`` bytes to category index ``cat`` (``INDEX``) on ``device``: at once, or
-        queued where the counters defer."""
+        """Add ``delta`` bytes to category index ``cat`` on ``device``: at once, or queued where deferring."""
         pending = self.pending
         if pending is not None:
             pending.extend((device, cat, delta))  # the tuple goes at once: the collector never counts it
@@ -278,9 +238,8 @@ class Counters:
             self.apply(device, cat, delta)
 
     def apply(self, device: str, cat: int, delta: int) -> None:
-        """``add_at`` at once, deferring or not (what a flush or a replay of the log does with a change)."""
-        # Every immediate update: written out, no helper calls unless a window is live. ``flush``
-        # has the same lines inline for the ~400 applied a step: change both together.
+        """``add_at`` at once, deferring or not (a flush's or a replay's change)."""
+        # Written out, no helper calls unless a window is live; ``flush`` inlines these lines: change both.
         cats = self._cur.get(device)
         if cats is None:
             cats = self._cur[device] = [0] * _N
@@ -314,8 +273,7 @@ class Counters:
 
     # -- windows and peaks ---------------------------------------------------------------------
     def open_window(self, totals_only: bool = False) -> None:
-        """Start a nested peak window (a module's forward or backward); ``totals_only``: keep its
-        largest totals alone (``close_window_total``), no counters."""
+        """Start a nested peak window; ``totals_only``: its largest totals alone, no counters."""
         if self.pending is not None and not self._flushing:  # deferring, and not the flush's own
             self.flush()
         if self._windows:
@@ -325,8 +283,7 @@ class Counters:
         self._windows.append(_Window(self._cur, totals_only))
 
     def open_totals_window(self) -> None:
-        """``open_window(totals_only=True)`` for the step recorder's events as a deferring ledger
-        flushes them (the flush's own: nothing to flush, and no watch, which never defers)."""
+        """``open_window(totals_only=True)`` for events a flush applies (nothing to flush, no watch)."""
         windows = self._windows
         if windows and windows[-1].live:
             windows[-1].settle(self._cur)
@@ -345,15 +302,11 @@ class Counters:
         return w.total()
 
     def close_window_raw(self) -> Snap:
-        """End the innermost window; return its peak as a snapshot (``Snap``; see
-        ``as_breakdown``) and fold it into the enclosing one."""
+        """End the innermost window: its peak as a ``Snap``, folded into the enclosing one."""
         return self.close_window_at(-1)
 
     def close_window_at(self, index: int) -> Snap:
-        """End the window at ``index`` of the open ones (0 = outermost; -1: the innermost), which
-        need not be the innermost: windows that overlap without nesting (modules whose backward
-        spans cross). Its peak takes in what the windows opened after it have seen so far;
-        returns it (raw)."""
+        """End open window ``index`` (-1: innermost), nested or not; its peak takes in later windows'. Raw."""
         w = self._close_window(index)
         if w is None:
             return ()
@@ -368,8 +321,7 @@ class Counters:
         return 0 if w is None else w.total()
 
     def _close_window(self, index: int) -> _Window | None:
-        # End the window at ``index`` (-1: the innermost), folding what the windows opened after it
-        # have seen into it, and it into the enclosing one; None when no window is open.
+        # As ``close_window_at``; None when no window is open.
         if self.pending is not None and not self._flushing:  # deferring, and not the flush's own
             self.flush()
         windows = self._windows

@@ -1,15 +1,6 @@
-"""Storage accounting: which storages hold how many bytes of which category, on which device.
-
-Bytes enter the ledger two ways. Tracked storages (parameters, optimizer state, saved
-activations, and in deep mode every op's output) are held by a weak reference whose callback
-subtracts their bytes when the storage is freed, so the ledger never keeps memory alive. Buffers
-whose lifetime FSDP's own events tell (light mode's per-group accounts) are added and subtracted
-as plain integers with ``add``. Either way the bytes land in ``counters.Counters`` (the ledger's
-base): per device and category, with the step's and each window's peaks, applied at once or
-deferred and applied when read (light mode: ``flush``).
-
-The ledger knows tensors and storages but nothing about FSDP.
-"""
+"""Storage accounting: which storages hold how many bytes of which category, on which device. Tracked storages are
+held by weak references whose callbacks subtract their bytes when freed (no memory kept alive); buffers whose
+lifetime FSDP's events tell are plain integers (``add``). Knows nothing about FSDP."""
 
 from __future__ import annotations
 
@@ -36,10 +27,7 @@ __all__ = ["INDEX", "Ledger", "RawBreakdown", "as_breakdown", "device_block", "r
 
 
 def storages_of(t: torch.Tensor, fake_mode: Any = None) -> list[torch.UntypedStorage]:
-    """The untyped storages behind ``t``, looking through wrapper subclasses such as DTensor.
-
-    Fake tensors have no memory behind them, except those of ``fake_mode`` (an estimate's).
-    """
+    """The storages behind ``t``, through wrapper subclasses (DTensor); fake tensors only of ``fake_mode``."""
     cls = type(t)
     if cls is torch.Tensor or cls is nn.Parameter:
         return [t.untyped_storage()] if t.layout is torch.strided else []
@@ -73,18 +61,16 @@ def device_block(device: torch.device) -> int:
 as_breakdown = breakdown_of
 
 
-
 class Ledger(Counters):
     """Live bytes per device and category (``Counters``), from tracked storages and integer accounts."""
 
     def __init__(self) -> None:
-        #: id(storage) -> its entry, a weak reference whose callback drops it (``_Entry``); the
-        #: ledger alone writes it (saved-tensor accounting reads it on its hot path)
+        #: id(storage) -> ``_Entry``, dropped by its weak-reference callback; saved-tensor accounting reads it
         self.entries: dict[int, _Entry] = {}
         #: FSDP module -> bytes of the storages it owns (``track_new(..., owner=)``) alive now
         self.owner_bytes: dict[str, int] = {}
         super().__init__()
-        #: bytes of tracked storages freed since, per category (read without flushing the log)
+        #: bytes of tracked storages freed, per category (read without flushing the log)
         self.freed = [0] * len(INDEX)
         self._devices: dict[torch.device, tuple[str, int]] = {}  # device -> (name, block)
         self._on_free = _free_callback(self.entries, weakref.ref(self))
@@ -92,27 +78,20 @@ class Ledger(Counters):
         self.fake_mode: Any = None
         self._fake_device: torch.device | None = None
 
-
     def count_fake(self, fake_mode: Any, device: torch.device) -> None:
-        """Account the tensors of ``fake_mode`` (a FakeTensorMode) as memory on ``device``
-        (``fsdp-mem-otel estimate``); other fake tensors stay uncounted."""
+        """Count ``fake_mode``'s tensors as memory on ``device`` (``fsdp-mem-otel estimate``); other fakes not."""
         self.fake_mode, self._fake_device = fake_mode, device
         self._devices.clear()  # meta storages count on ``device`` from now on
 
     # -- integer accounts ----------------------------------------------------------------------
     def add(self, device: str, category: str, delta: int) -> None:
-        """Add ``delta`` bytes (negative: subtract) to ``category`` on ``device`` directly, for
-        buffers whose lifetime the caller knows (no storage is tracked)."""
+        """Add ``delta`` bytes (negative: subtract) to ``category`` on ``device``, no storage tracked."""
         if delta:
             self.add_at(device, INDEX[category], delta)
 
     # -- tracked storages ----------------------------------------------------------------------
     def track(self, t: torch.Tensor, category: str, recategorize: bool = True) -> None:
-        """Account the storages of ``t`` under ``category``.
-
-        A storage seen before keeps its entry: its size is refreshed, and its category changes only
-        when ``recategorize`` is true (explicit knowledge from FSDP beats per-op guesses).
-        """
+        """Account ``t``'s storages under ``category``; known ones relabelled only with ``recategorize``."""
         cls = type(t)
         if (cls is torch.Tensor or cls is nn.Parameter) and t.layout is torch.strided:
             self.track_storage(t.untyped_storage(), category, recategorize)
@@ -127,9 +106,7 @@ class Ledger(Counters):
                 self.track(t, category)
 
     def track_new(self, t: torch.Tensor, category: str, owner: str | None = None) -> None:
-        """Account ``t`` under ``category`` only if its storage is not known yet (the hot path
-        for saved activations: a known storage keeps its entry untouched); ``owner``: the FSDP
-        module it belongs to, whose ``owner_bytes`` it counts in while alive."""
+        """Account ``t`` only if its storage is new (saved activations' hot path); ``owner``: its FSDP module."""
         self.track_new_at(t, INDEX[category], owner)
 
     def track_new_at(self, t: torch.Tensor, cat: int, owner: str | None = None) -> None:
@@ -149,14 +126,12 @@ class Ledger(Counters):
         return id(st) in self.entries
 
     def hold(self, st: torch.UntypedStorage, category: str) -> None:
-        """Give ``st`` an entry of 0 bytes under ``category`` unless it has one: a storage whose
-        bytes an integer account carries, so that saved-tensor accounting knows it and passes."""
+        """Give ``st`` a 0-byte entry unless it has one (an integer account carries its bytes)."""
         if id(st) not in self.entries:
             self.new_entry(st, INDEX[category], 0)
 
     def forget(self, st: torch.UntypedStorage) -> None:
-        """Set a known storage's bytes to 0, keeping the entry (its bytes move to an integer
-        account, e.g. when deep mode hands back to light mode)."""
+        """Set a known storage's bytes to 0, keeping the entry (an integer account takes them over)."""
         entry = self.entries.get(id(st))
         if entry is not None and entry.nbytes:
             self._resize(entry, 0)
@@ -185,9 +160,7 @@ class Ledger(Counters):
 
     def new_entry(self, st: torch.UntypedStorage, cat: int, nbytes: int | None = None,
                   owner: str | None = None) -> None:
-        """Track ``st``, not known yet, under category index ``cat``: its bytes (``nbytes``, or
-        its size as the allocator rounds it), owned by FSDP module ``owner`` if given. The hot
-        path of every saved activation: its helpers are written out."""
+        """Track ``st``, new, under ``cat``: ``nbytes`` or its rounded size; the hot path, helpers written out."""
         dev = st.device
         known = self._devices.get(dev)
         if known is None:
@@ -221,8 +194,7 @@ class Ledger(Counters):
             self.owner_bytes[entry.owner] += delta
 
     def _relabel(self, entry: _Entry, cat: int) -> None:
-        # Two changes (queued where the ledger defers, so the step's replay sees them): the
-        # total dips and comes back, so the peaks it still is are kept first and none is made.
+        # Two changes (queued where deferring): the total dips and comes back, so its live peaks are kept first.
         n = entry.nbytes
         if n:
             self.add_at(entry.device, entry.cat, -n)
@@ -233,12 +205,7 @@ class Ledger(Counters):
             entry.owner = None
 
     def relabel_guess(self, t: torch.Tensor, category: str, guesses: frozenset[str]) -> None:
-        """Account ``t`` under ``category`` unless it already holds a category outside ``guesses``.
-
-        Deep mode's collective rules use this: a buffer first seen as a per-op guess (activation,
-        temp) becomes all_gather/reduce_scatter, but what an adapter named explicitly (FSDP1's
-        unsharded grad doubling as the reduce-scatter input) keeps its name.
-        """
+        """Account ``t`` under ``category`` unless an adapter named it (its category is outside ``guesses``)."""
         guessed = {INDEX[g] for g in guesses}
         for st in storages_of(t, self.fake_mode):
             entry = self.entries.get(id(st))
@@ -258,8 +225,7 @@ class Ledger(Counters):
                 self._resize(entry, n)
 
     def refresh_storages(self, storages: list[torch.UntypedStorage]) -> None:
-        """``refresh_storage`` for each storage (an FSDP group's buffers after a reshard); the
-        bytes change once per device and category, as FSDP resizes them all together."""
+        """``refresh_storage`` for each storage, one change per device and category (an FSDP reshard)."""
         entries = self.entries
         deltas: dict[tuple[str, int], int] = {}
         for st in storages:
@@ -276,12 +242,9 @@ class Ledger(Counters):
             if delta:
                 self.add_at(device, cat, delta)
 
-
     # -- reading --------------------------------------------------------------------------------
     def step_end_later(self) -> tuple[Snap, Callable[[], DeviceBreakdown]]:
-        """The counters now, as a ``Snap`` (``snap()``), and ``step_peak()`` as a function that
-        builds it when called, on any thread, at any time (built now where a ``window_watch``
-        adjusts it: that reads the allocator now)."""
+        """The counters now (a ``Snap``) and ``step_peak()`` as a function built when called."""
         if self.window_watch is not None:
             peak = self.step_peak()
             return self.snap(), lambda: peak
@@ -295,12 +258,8 @@ class Ledger(Counters):
 
 
 class _Entry(weakref.ref):  # type: ignore[type-arg]
-    """A tracked storage: a weak reference to it carrying what the ledger counts for it
-    (``key``: ``id(storage)``). One object per storage, not a reference and a list: saved
-    activations live from forward to backward, long enough for the collector to move each object
-    they make into an older generation, whose growth brings on full collections. A plain
-    ``weakref.ref`` subclass, not ``weakref.KeyedRef``: KeyedRef's ``__new__`` and ``__init__`` are
-    Python functions, about 0.25 us of each new activation's entry; this one is built in C."""
+    """A tracked storage: a weak reference carrying its counts, one object per storage (fewer for the collector to
+    promote), built in C (``KeyedRef``'s Python ``__init__`` costs ~0.25 us)."""
 
     __slots__ = ("block", "cat", "device", "key", "nbytes", "owner")
     key: int  # id() of the storage
@@ -312,11 +271,7 @@ class _Entry(weakref.ref):  # type: ignore[type-arg]
 
 
 def _free_callback(entries: dict[int, _Entry], ledger_ref: weakref.ref[Ledger]) -> Any:
-    """The weakref callback shared by all of a ledger's entries: drop the freed storage's bytes.
-
-    One function per ledger (the storage's key travels on its entry) instead of a closure per
-    entry; it holds the ledger weakly so a dropped tracker is collected.
-    """
+    """One weakref callback for all a ledger's entries: drop the freed bytes. Holds the ledger weakly."""
 
     def on_free(ref: _Entry) -> None:
         key = ref.key

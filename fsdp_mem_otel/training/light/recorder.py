@@ -1,21 +1,7 @@
-"""The step state machine: FSDP module states in, module snapshots and peak windows out.
-
-Plain Python on top of a ledger's counters, with no FSDP and no hooks, so unit tests drive it
-directly. The tracker feeds it ``on_state(key, state, in_backward)`` from the adapters' hook
-events; it keeps, per step, one snapshot per module per state per call, opens a peak window at a
-module's ``before_pre_forward`` / ``before_pre_backward`` and closes it at the matching
-``after_post_*`` (closing inner windows first when FSDP closes out of order), recognises
-activation-checkpoint recompute (forward states during backward) and knows which module was
-running when a step aborts. ``StepContext`` is what per-op accounting (deep mode) reads: the FSDP
-phase, whether the optimizer or a checkpoint recompute is running.
-
-Light steps (a deferring ledger) take their snapshots when a report's are first read, not during
-the step: the ledger's replay runs the events here with each window's largest total alone (the
-module peaks exporters read every step) besides keys, states, times and open windows (what ending
-a step and locating an abort need), and ``StepReplay`` runs them again, with the step's byte
-changes, for the snapshots. A step whose snapshots nobody reads (they are read for a JSONL line
-that carries them, module spans, Prometheus detail series) never takes them.
-"""
+"""The step state machine: FSDP module states in, module snapshots and peak windows out; plain Python, which unit
+tests drive. It snapshots each module state, opens a peak window at ``before_pre_forward`` /
+``before_pre_backward``, closes it at the matching ``after_post_*`` (inner ones first), recognises
+activation-checkpoint recompute and locates an abort. Light steps keep window totals until read."""
 
 from __future__ import annotations
 
@@ -77,8 +63,7 @@ _STEPS: dict[str, tuple[str, str | None, str | None]] = {
 
 
 class StepContext:
-    """What is running now, for per-op accounting: the FSDP phase, the optimizer, AC recompute,
-    and the buffers a reduce-scatter's backend allocated itself in this post-backward."""
+    """What per-op accounting reads: FSDP phase, optimizer, AC recompute, backend buffers."""
 
     __slots__ = ("backend_buffers", "in_ac_recompute", "in_optimizer", "phase")
 
@@ -86,15 +71,12 @@ class StepContext:
         self.phase = IDLE
         self.in_optimizer = False
         self.in_ac_recompute = False
-        #: deep steps, from a reduce-scatter to its post-backward's end: weak references to the
-        #: storages the backend made itself (``deep.release_backend_buffers`` ends them); None outside it
+        #: deep steps, a reduce-scatter to its post-backward's end: weak refs to the backend's own storages
         self.backend_buffers: list[Any] | None = None
 
 
 class _Totals:
-    """What the step recorder records against in a deferring ledger's replay: each window's
-    largest total alone (the two integers per module that exporters read every step), no
-    snapshot; the step's ``StepReplay`` takes those when read."""
+    """What the recorder records against in a deferring ledger's flush: window totals alone, no snapshot."""
 
     __slots__ = ("_counters", "close_window_raw", "open_window")
 
@@ -116,15 +98,8 @@ _REPLAY_AT = 1 << 18
 
 
 class StepReplay:
-    """A light step's snapshots (its windows' peaks included), replayed from its log when first read.
-
-    While the ledger defers, the step recorder follows each event's module, state, time and
-    windows, with each window's largest total, and takes no snapshot; the ledger hands each
-    replayed part of its log here (``Counters.retain``). The first read of a report's snapshots
-    replays those parts again, events and changes alike, through a recorder of its own on counters
-    that start from the step's: the same code on the same events, so the same snapshots, at the
-    same positions, as an immediate ledger gives. Nobody reading them costs nothing more; an
-    exporter reads them on its own thread. Holds names and numbers, never a tensor."""
+    """A light step's snapshots: each flushed part of its log (``Counters.retain``) replayed when first read
+    through a recorder of its own, so they are an immediate ledger's. Holds no tensor."""
 
     def __init__(self, start: RawBreakdown) -> None:
         self._start = start  # the counters when the step began; its recorder is made at the first read
@@ -142,8 +117,7 @@ class StepReplay:
             self.snaps()
 
     def snaps(self) -> list[Snap]:
-        """The step's snapshots so far, in the recorder's order (replayed once, under a lock: two
-        exporters may read at once)."""
+        """The step's snapshots so far, in order (replayed once, under a lock: exporters may read at once)."""
         with self._lock:
             parts, self._parts, self._waiting = self._parts, [], 0
             recorder = self._recorder
@@ -172,11 +146,8 @@ class StepReplay:
 
 
 class StepRecorder:
-    """Snapshots and peak windows of one step at a time, from module state events. Snapshots are
-    kept as the ledger's ``Snap`` tuples in a log of parallel lists, the step's only containers
-    (nothing the collector would promote and count towards a full collection); ``modules``
-    hands each module's report its positions in the log, and it builds its dicts when read (a
-    light step's snapshots come from its ``StepReplay`` then)."""
+    """Snapshots and peak windows of one step at a time, from module state events: ``Snap`` tuples in parallel
+    lists; each module's report builds its dicts when read."""
 
     def __init__(self, ledger: Counters, context: StepContext | None = None) -> None:
         self.ledger = ledger
@@ -187,8 +158,7 @@ class StepRecorder:
     def reset(self) -> None:
         """Start a new step: no snapshots, no open windows, phase idle."""
         self.ledger.flush()  # what is pending belongs to the step that ends
-        # per snapshot, in order: module key, state, counters, time_ns (parallel lists, no
-        # container per snapshot; only ever appended to); the step's module reports read them
+        # per snapshot: module key, state, counters, time_ns (parallel lists, only appended to)
         self._keys: list[str] = []
         self._states: list[str] = []
         self._snaps: list[Any] = []  # Snaps; a light step's replay: (), and a window's largest total
@@ -198,9 +168,7 @@ class StepRecorder:
         self.context.in_ac_recompute = False
         self.context.backend_buffers = None
         self._ac_key: str | None = None
-        # A deferring ledger: the events are replayed here with window totals alone (``_Totals``)
-        # and again, with the counters, by the step's ``StepReplay`` when its snapshots are read.
-        # A step that turns immediate (a deep step) records its counters here.
+        # Deferring: the flush runs events here with totals alone (``_Totals``), ``StepReplay`` again when read.
         self._replay: StepReplay | None = None
         if self.ledger.pending is not None:
             self._replay = StepReplay(self.ledger.raw())
@@ -209,11 +177,8 @@ class StepRecorder:
     # -- events --------------------------------------------------------------------------------
     def on_state(self, key: str, state: str, in_backward: bool = False, windowed: bool = True,
                  t: int | None = None) -> None:
-        """Module ``key`` reached ``state``; ``in_backward``: autograd's backward is running
-        (forward states then mean an activation-checkpoint recompute). ``windowed=False``: the
-        state opens or closes no peak window (the adapter calls ``open_window``/``close_window``
-        itself, e.g. for modules sharing one FSDP group). ``t``: when (``time.time_ns()``; now if
-        None), for an event replayed from the ledger's pending log."""
+        """Module ``key`` reached ``state`` (in backward, forward states are a recompute); ``windowed=False``: the
+        adapter opens and closes windows itself; ``t``: time_ns (None: now)."""
         if t is None:
             t = time.time_ns()
         if in_backward and state in FORWARD_STATES:
@@ -243,8 +208,7 @@ class StepRecorder:
             windows.append((key, opens))
 
     def open_window(self, key: str, peak_state: str, t: int | None = None) -> None:
-        """Start module ``key``'s ``peak_state`` window (nested in the open ones); ``t``: unused,
-        for the same replay signature as the other events."""
+        """Start module ``key``'s ``peak_state`` window; ``t``: unused (the replay signature)."""
         self._target().open_window()
         self.windows.append((key, peak_state))
 
@@ -253,8 +217,7 @@ class StepRecorder:
         self._close_window(key, peak_state, t)
 
     def end_window(self, key: str, peak_state: str, oldest: bool = False, t: int | None = None) -> None:
-        """End module ``key``'s latest (``oldest``: earliest) ``peak_state`` window alone, wherever
-        it is among the open ones (windows that overlap without nesting); a no-op if not open."""
+        """End ``key``'s latest (``oldest``: earliest) ``peak_state`` window alone, nested or not."""
         n = len(self.windows)
         for i in range(n) if oldest else range(n - 1, -1, -1):
             if self.windows[i] == (key, peak_state):
@@ -290,7 +253,7 @@ class StepRecorder:
 
     def close_open_windows(self) -> None:
         """Close every window still open (step end), innermost first."""
-        # an event of the log where it defers, replayed in its place (its time last, as every event's)
+        # an event of the log where it defers, replayed in its place
         self.ledger.queue(self._close_all, time.time_ns())
         self.ledger.flush()
 
@@ -301,9 +264,7 @@ class StepRecorder:
             self._append(key, peak_state, target.close_window_raw(), t)
 
     def _target(self) -> Any:
-        """What snapshots are taken of and windows opened on: while a deferring ledger replays
-        its log, window totals alone (``_Totals``; the step's ``StepReplay`` takes the snapshots
-        when read), else the ledger (an immediate one, or a call made directly)."""
+        """Where snapshots and windows go: ``_Totals`` in a deferring flush, else the ledger."""
         ledger = self.ledger
         if self._replay is not None:
             if ledger.flushing and ledger.pending is not None:
@@ -333,15 +294,11 @@ class StepRecorder:
 
     @property
     def modules(self) -> dict[str, ModuleReport]:
-        """The step's snapshots so far, per module, as reports hold them: each module's report
-        gets its positions in the step's log and its peak totals (from the peak snapshots, or a
-        light step's window totals); it builds its dicts when first read (a light step's from the
-        snapshots its ``StepReplay`` takes then)."""
+        """The step's snapshots so far, per module: reports that build their dicts when first read."""
         return self.modules_later()()
 
     def modules_later(self) -> Callable[[], dict[str, ModuleReport]]:
-        """``modules`` as of now, as a function that builds them when called, on any thread, at
-        any time: the step's log is only ever appended to, and the next step starts new lists."""
+        """``modules`` as of now, built when called, on any thread (the log is only appended to)."""
         self.ledger.flush()
         replay = self._replay  # a light step's snapshots are replayed when read
         log = (self._states, replay.snaps if replay is not None else self._snaps, self._times)
@@ -355,8 +312,7 @@ class StepRecorder:
         return bool(self.windows)
 
     def location(self) -> tuple[str, str]:
-        """(module, state) running now: the innermost open window's module, else the module
-        of the last snapshot, and the last state that module reached; ("", "") before any."""
+        """(module, state) now: the innermost window's or the last snapshot's module; ("", "") before any."""
         self.ledger.flush()
         keys = self._keys
         if self.windows:
@@ -370,8 +326,7 @@ class StepRecorder:
 
 def _module_reports(keys: list[str], n: int, snaps: list[Any], log: tuple[list[str], Any, list[int]],
                     ) -> dict[str, ModuleReport]:
-    """``StepRecorder.modules`` from the step's log: its first ``n`` entries' ``keys``, their
-    snapshots as recorded (a light step's: its windows' totals) and the log the reports read."""
+    """``StepRecorder.modules`` from the log's first ``n`` entries and their snapshots (or window totals)."""
     states = log[0]
     at: dict[str, list[int]] = {}
     peaks: dict[str, list[int | None]] = {}  # key -> [forward, backward] peak totals

@@ -1,18 +1,7 @@
-"""The hot path: what the adapters call from FSDP's hooks, turned into ledger updates and snapshots.
-
-``Sink`` is the ``EventSink`` the adapters see. Every call is contained (a failure goes to
-``on_error`` and never reaches FSDP) and does O(1) work: a state event takes one snapshot of the
-ledger's counters and opens or closes a peak window (``StepRecorder``; in light mode the event
-and the counter changes are only queued, and applied in order when the counters are read:
-``counters.Counters.defer``); light mode's saved tensors are accounted by autograd's
-saved-tensor hooks (``SavedTensorAccounting``), pushed while the outermost FSDP forward runs (from
-its after_pre_forward) and, for an FSDP module recomputed inside a checkpointed region, while it is
-recomputed: on every step, so that every figure a light step reports is measured on it. FSDP
-buffers enter the ledger as tensors (``track*``) or, where FSDP's own events tell their size and
-lifetime, as integers (``add``):
-those calls are its base's, ``sink_bytes.LedgerCalls``. It knows nothing of FSDP and holds no
-tensor: unit tests drive it directly (tests/training/test_sink.py).
-"""
+"""The hot path: what the adapters call from FSDP's hooks (``Sink``, their ``EventSink``), turned into ledger
+updates and snapshots. Every call is contained (failures go to ``on_error``) and O(1): a state event snapshots the
+counters and opens or closes a peak window (light mode queues it); saved-tensor hooks are pushed while the
+outermost FSDP forward or a recompute runs. Buffer calls: the base, ``sink_bytes.LedgerCalls``."""
 
 from __future__ import annotations
 
@@ -43,9 +32,7 @@ from fsdp_mem_otel.training.light.sink_bytes import LedgerCalls
 _in_backward = torch._C._current_graph_task_id
 _ACTIVATION = INDEX[ACTIVATION]
 _time_ns = time.time_ns  # bound once: ~140 calls a step
-#: the state events time one call in this many and count it for each (a prime: a step's calls
-#: come in fours and eights per module, so the timed ones are of every kind and move from step to
-#: step); a counter, not a random draw, so that the same run makes the same calls
+#: time one state event in this many, counted for each: a prime (calls come in fours and eights); not random
 _TIMED_EVERY = 13
 _POST_FORWARD = frozenset({BEFORE_POST_FORWARD, AFTER_POST_FORWARD})
 #: a deferring ledger flushes once this many changes and events wait (a loop without step())
@@ -57,15 +44,7 @@ def _nothing(*_: Any) -> None:
 
 
 class Sink(LedgerCalls):
-    """Adapter events in, ledger updates and snapshots out; never raises.
-
-    Args:
-        ledger, recorder: where bytes and snapshots go.
-        on_error: called with each internal failure (the tracker counts and logs it).
-        sample: called at window ends to sample the device allocator (the tracker's probe), or
-            None where there is nothing to sample (no CUDA: the call alone cost ~1.6 us in place).
-        config: light mode's switches (``TrackerConfig``): ``activations``, account saved tensors.
-    """
+    """Adapter events in, ledger updates and snapshots out; never raises. ``sample``: the probe's, per window."""
 
     def __init__(self, ledger: Ledger, recorder: StepRecorder, on_error: Callable[[BaseException], None],
                  sample: Callable[[], None] | None = None, config: TrackerConfig | None = None) -> None:
@@ -77,14 +56,12 @@ class Sink(LedgerCalls):
         self.active = False
         #: a deep step's dispatch mode runs: it accounts every op, saved tensors included
         self.deep = False
-        #: called when the step's outermost FSDP forward begins, while ``forward_pending`` (the
-        #: tracker starts a deep step's dispatch mode there)
+        #: called as the step's outermost FSDP forward begins, while ``forward_pending`` (deep steps start there)
         self.on_forward: Callable[[], None] = _nothing
         self.forward_pending = False
         #: called with the exception when a forward raised (post-forward hooks without outputs)
         self.on_raising_forward: Callable[[BaseException], None] = _nothing
-        #: the FSDP modules whose forward runs now, innermost last: what they save, receive and
-        #: return is theirs (leak reports name them)
+        #: the FSDP modules whose forward runs now, innermost last: owners of what is saved (leak reports)
         self.modules: list[str] = []
         self.activations = SavedTensorAccounting(ledger, on_error, self.modules)
         self._recompute_activations = SavedTensorAccounting(ledger, on_error, self.modules)
@@ -102,8 +79,7 @@ class Sink(LedgerCalls):
         ledger.on_flush_error = on_error  # a deferred event that fails counts like one at once
 
     def end_step(self) -> None:
-        """Between steps: pop saved-tensor hooks a forward that raised left pushed, reset depths,
-        flush what the ledger deferred."""
+        """Between steps: pop hooks a raising forward left pushed, reset depths, flush the ledger."""
         try:
             self.ledger.flush()
         except Exception as exc:  # noqa: BLE001
@@ -119,20 +95,13 @@ class Sink(LedgerCalls):
 
     # -- states and windows ---------------------------------------------------------------------
     def on_state(self, key: str, state: str, tensors: object = None, windowed: bool = True) -> None:
-        """Module ``key`` reached ``state``: take a snapshot, open or close its peak window.
-
-        ``tensors`` (the module's inputs at after_pre_forward, its outputs at after_post_forward)
-        are accounted as activations first, in light mode: autograd does not save a module's
-        outputs, yet they are alive (the next module's input, the logits, the loss).
-        """
+        """Module ``key`` reached ``state``; light mode counts ``tensors`` (inputs, outputs) as activations."""
         if state in BACKWARD_STATES:
             self.backward_state(key, state, windowed)
             return
         if not self.active:
             return
-        # One clock read, the event's time: in place, each clock read or call into torch costs
-        # several times what it does in a loop (benchmarks/README.md), so the time this call took
-        # is read on a sample of the calls (``_TIMED_EVERY``)
+        # One clock read, the event's time: in place a clock read costs several loops' worth; timing is sampled.
         t = _time_ns()
         try:
             in_backward = _in_backward() != -1
@@ -180,8 +149,7 @@ class Sink(LedgerCalls):
             self._on_state_ns += (_time_ns() - t) * _TIMED_EVERY
 
     def backward_state(self, key: str, state: str, windowed: bool = True) -> None:
-        """``on_state`` for a state of FSDP's backward hooks (``BACKWARD_STATES``), with less to
-        decide: ~70 calls a step."""
+        """``on_state`` for ``BACKWARD_STATES``, with less to decide (~70 calls a step)."""
         if not self.active:
             return
         t = _time_ns()
@@ -208,10 +176,8 @@ class Sink(LedgerCalls):
             self._on_state_ns += (_time_ns() - t) * _TIMED_EVERY
 
     def _track_io(self, key: str, state: str, tensors: object) -> None:
-        # A module's inputs or outputs, as activations. An output tensor that before_post_forward
-        # walked comes back to after_post_forward as itself unless FSDP's post-forward replaced it
-        # (a cast to the output dtype): walked once. (Containers are walked again: a hook may have
-        # refilled one.) Known by a weak reference: a replaced output dies when FSDP drops it.
+        # An output walked at before_post_forward comes back as itself unless FSDP cast it: walked once
+        # (containers: again, a hook may refill one). Weakly held: a replaced output dies with FSDP's.
         seen, self._outputs = self._outputs, None
         if state == AFTER_POST_FORWARD and seen is not None and seen[0] == key and seen[1]() is tensors:
             return
@@ -223,10 +189,7 @@ class Sink(LedgerCalls):
 
     @property
     def overhead(self) -> float:
-        """Seconds this step in ``on_state`` (timed on one call in ``_TIMED_EVERY``, counted for
-        each) and in flushing the ledger's queued work (light mode: what on_state did in place
-        before); the other hooks are not timed (a timer at each of ~600 calls a step would cost
-        more than it tells)."""
+        """Seconds this step in ``on_state`` (sampled) and flushing; the other hooks are not timed."""
         return self._on_state_ns / 1e9 + self.ledger.flush_seconds
 
     def open_window(self, key: str, peak_state: str) -> None:
@@ -258,16 +221,13 @@ class Sink(LedgerCalls):
         self.ledger.queue(event, *args, time.time_ns())
 
     def _note_raising_forward(self) -> None:
-        # Post-forward hooks with no outputs while an exception propagates: the forward raised
-        # (they are always_call hooks). Locate it now, before the windows close.
+        # always_call post-forward hooks with no outputs while an exception propagates: the forward raised
         exc = sys.exc_info()[1]
         if exc is not None:
             self.on_raising_forward(exc)
 
     def _recompute_state(self, key: str, state: str, tensors: object) -> None:
-        # An FSDP module recomputed inside a checkpointed region: checkpointing's own saved-tensor
-        # hooks keep what it recomputes; ours chain to them to account it (light mode), and the
-        # module's recomputed outputs count as they do in forward.
+        # Recompute in a checkpointed region: our hooks chain to checkpointing's, and outputs count as in forward.
         if self.deep or not self._activations_on:
             return
         if state == BEFORE_PRE_FORWARD:

@@ -1,10 +1,5 @@
-"""The sink's calls that put FSDP's buffers in the ledger: as integers (``add``) or as tensors.
-
-``LedgerCalls`` is the part of ``sink.Sink`` (its base) that adapters call with bytes and
-tensors rather than with states: each call is contained (a failure goes to ``report_error``) and
-does nothing while the tracker is detached. Kept apart from the state events so that each reads
-in one sitting.
-"""
+"""The sink's calls that put FSDP's buffers in the ledger, as integers (``add``) or as tensors: ``LedgerCalls``,
+the base of ``sink.Sink``. Each is contained (failures go to ``report_error``); nothing while detached."""
 
 from __future__ import annotations
 
@@ -16,7 +11,7 @@ from fsdp_mem_otel.training.light.ledger import Ledger, storages_of
 
 
 class LedgerCalls:
-    """FSDP buffers into ``ledger``; never raises (see the module docstring)."""
+    """FSDP buffers into ``ledger``; never raises."""
 
     ledger: Ledger
     report_error: Callable[[BaseException], None]
@@ -24,8 +19,7 @@ class LedgerCalls:
     active: bool
 
     def add(self, device: str, cat: int, delta: int) -> None:
-        """Add ``delta`` bytes to category index ``cat`` (``ledger.INDEX``) on ``device``: FSDP
-        buffers whose size and lifetime the adapter knows from FSDP's own events."""
+        """Add ``delta`` bytes to category index ``cat`` on ``device`` (sized and timed by FSDP's events)."""
         if self.active and delta:
             pending = self.ledger.pending
             if pending is not None:  # ``Counters.add_at``, written out: ~170 calls a step
@@ -44,8 +38,7 @@ class LedgerCalls:
             self.report_error(exc)
 
     def forget(self, obj: torch.Tensor | torch.UntypedStorage) -> None:
-        """A storage, or a tensor's storages, keep their entries at 0 bytes: FSDP let go of it
-        (whoever else still holds it), or an integer account takes its bytes over."""
+        """Keep a storage's (or a tensor's) entries at 0 bytes: FSDP let go, or an integer account took over."""
         try:
             for st in [obj] if isinstance(obj, torch.UntypedStorage) else storages_of(obj, self.ledger.fake_mode):
                 self.ledger.forget(st)
