@@ -156,18 +156,18 @@ class CountedModuleReport(ModuleReport):
     """A ModuleReport whose snapshots stay counters (``device_counters``) until first read: the
     tracker hands these to exporters, which read them on their own threads.
 
-    Given ``counters`` and ``times`` (state -> one entry per call), or ``log`` (the step's states,
+    Given ``counters`` and ``times`` (state -> one entry per call), or ``record`` (the step's states,
     counters and times, parallel lists) and ``at`` (this module's positions in it), which are
     sorted per state when first read: the tracker's form, with no container per module or state
     for the step to keep alive."""
 
     def __init__(self, counters: dict[str, list[Any]] | None, times: dict[str, list[int]] | None,
                  peak_totals: tuple[int | None, int | None] | None = None,
-                 log: tuple[list[str], Any, list[int]] | None = None, at: tuple[int, ...] = ()) -> None:
+                 record: tuple[list[str], Any, list[int]] | None = None, at: tuple[int, ...] = ()) -> None:
         self._counters = counters
         self._times = times
         # (states, counters or a function that replays and returns them, times)
-        self._log = log if counters is None else None
+        self._record = record if counters is None else None
         self._at = at
         self._snapshots: dict[str, list[DeviceBreakdown]] | None = None
         #: the largest ``total`` of ``peak_forward`` and of ``peak_backward`` (None: not reached),
@@ -176,17 +176,17 @@ class CountedModuleReport(ModuleReport):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # a light step's replay (a function, a lock) goes as its result
-        log = state.get("_log")
-        if log is not None and callable(log[1]):
-            state["_log"] = (log[0], log[1](), log[2])
+        record = state.get("_record")
+        if record is not None and callable(record[1]):
+            state["_record"] = (record[0], record[1](), record[2])
         return state
 
     def _sorted(self) -> tuple[dict[str, list[Any]], dict[str, list[int]]]:
         if self._counters is None or self._times is None:
             counters: dict[str, list[Any]] = {}
             times: dict[str, list[int]] = {}
-            if self._log is not None:
-                states, snaps, stamps = self._log
+            if self._record is not None:
+                states, snaps, stamps = self._record
                 if callable(snaps):  # a light step's, replayed at the first read
                     snaps = snaps()
                 for i in self._at:
@@ -223,8 +223,8 @@ class CountedModuleReport(ModuleReport):
         self._times = value
 
     def times_of(self, state: str) -> list[int]:
-        if self._times is None and self._log is not None:  # one state, read from the log: nothing sorted
-            states, _, stamps = self._log
+        if self._times is None and self._record is not None:  # one state, read from the record: nothing sorted
+            states, _, stamps = self._record
             return [stamps[i] for i in self._at if states[i] == state]
         return self.times.get(state, [])
 
@@ -233,7 +233,7 @@ class CountedModuleReport(ModuleReport):
         """How many snapshots the module holds (every state and call), without sorting them."""
         if self._snapshots is not None:
             return sum(map(len, self._snapshots.values()))
-        if self._counters is None and self._log is not None:
+        if self._counters is None and self._record is not None:
             return len(self._at)
         return sum(map(len, self._sorted()[0].values()))
 

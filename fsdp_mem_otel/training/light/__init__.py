@@ -5,6 +5,7 @@ with per-module peaks out, every step, no per-op work. Modules, in the order dat
 - ``activations.py``: saved-tensor hooks accounting what autograd saves for backward.
 - ``ledger.py`` (``Ledger``): tracked storages (weak-reference callbacks) and integer accounts.
 - ``counters.py`` (``Counters``, the ledger's base): bytes per device and category, peaks, the *log*.
+- ``log.py``: the log's two kinds of entry, written (``change``, ``event``) and read (``take``) there alone.
 - ``recorder.py`` (``StepRecorder``, ``StepReplay``): module states in, the step's snapshots and windows out.
 
 Glossary:
@@ -17,6 +18,7 @@ Glossary:
   snapshots (``StepReplay``); a step nobody reads never takes them.
 - *window*: the span of one module's forward or backward, whose peak the counters keep.
 - *snapshot*: the counters at one module state (``Snap``: a flat tuple).
+- *record*: the step recorder's snapshots in order (module key, state, counters, time: parallel lists).
 - *group account*: an FSDP2 group's buffers as integers moved by FSDP's events (``adapters/fsdp2_groups.py``); only
   their sizes carry over steps.
 

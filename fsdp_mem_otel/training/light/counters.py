@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from fsdp_mem_otel.schema import CATEGORY_KEYS, DeviceBreakdown, breakdown_of
+from fsdp_mem_otel.training.light import log
 
 #: category key -> its index in a counter list
 INDEX: dict[str, int] = {c: i for i, c in enumerate(CATEGORY_KEYS)}
@@ -51,6 +52,10 @@ class WindowWatch(Protocol):
     def closed(self, index: int, snap: Snap) -> Snap: ...
 
     def step_peak(self, peak: DeviceBreakdown) -> DeviceBreakdown: ...
+
+
+def _call(method: Callable[..., None], args: list[Any]) -> None:
+    method(*args)
 
 
 def _hand_on(keep: Callable[[list[Any]], None], part: list[Any], failures: list[Exception]) -> None:
@@ -152,56 +157,20 @@ class Counters:
         self._retained = keep
 
     def flush(self) -> None:
-        """Apply the log in order; a failing event stops no other (``on_flush_error``, else the first raises)."""
+        """Apply the log in order (``log.take``); a failing entry stops no other (``on_flush_error``, else the
+        first raises)."""
         pending = self.pending
         if not pending or self._flushing:
             return
         self._flushing = True
         started = time.perf_counter()
-        cur, step, windows, offer = self._cur, self._step, self._windows, self.offer_on_add
         failures: list[Exception] = []
-        i = 0
+        part: list[Any] = []
         try:
-            # Consumed from the front: a change queued meanwhile lands behind these (this loop or the next flush).
-            while i < len(pending):
-                head = pending[i]
-                at = i
-                try:
-                    if head.__class__ is str:  # a change: ``apply``, written out (~400 a step)
-                        cat, delta = pending[i + 1], pending[i + 2]
-                        i += 3  # first: a change that fails is skipped alone
-                        cats = cur.get(head)
-                        if cats is None:
-                            cats = cur[head] = [0] * _N
-                        if delta < 0:  # the counters shrink: keep copies of the peaks they still are
-                            if head in step.live:
-                                step.settle(cur, head)
-                            if windows and head in windows[-1].live:
-                                windows[-1].settle(cur, head)
-                        cats[cat] += delta
-                        total = cats[_T] = cats[_T] + delta
-                        if delta > 0 and offer:
-                            if total > step.peak.get(head, -1):
-                                step.peak[head] = total
-                                step.live.add(head)
-                            if windows:
-                                inner = windows[-1]
-                                if total > inner.peak.get(head, -1):
-                                    inner.peak[head] = total
-                                    inner.live.add(head)
-                    else:
-                        n = pending[i + 1]
-                        i += 2 + n
-                        head(*pending[i - n:i])
-                except Exception as exc:  # noqa: BLE001 - apply the rest
-                    failures.append(exc)
-                    if i == at:  # not an entry's head: where the next one starts is unknown
-                        i = len(pending)
+            part = log.take(pending, self.apply, _call, failures)
         finally:
-            part = pending[:i]
-            del pending[:i]
             self._flushing = False
-            if self._retained is not None and i:
+            if self._retained is not None and part:
                 _hand_on(self._retained, part, failures)
             self.flush_seconds += time.perf_counter() - started
         if failures:
@@ -216,7 +185,7 @@ class Counters:
         if pending is None:
             event(*args)
         else:
-            pending.extend((event, len(args), *args))
+            log.event(pending, event, *args)
 
     @property
     def flushing(self) -> bool:
@@ -233,13 +202,13 @@ class Counters:
         """Add ``delta`` bytes to category index ``cat`` on ``device``: at once, or queued where deferring."""
         pending = self.pending
         if pending is not None:
-            pending.extend((device, cat, delta))  # the tuple goes at once: the collector never counts it
+            log.change(pending, device, cat, delta)
         else:
             self.apply(device, cat, delta)
 
     def apply(self, device: str, cat: int, delta: int) -> None:
         """``add_at`` at once, deferring or not (a flush's or a replay's change)."""
-        # Written out, no helper calls unless a window is live; ``flush`` inlines these lines: change both.
+        # Written out, no helper calls unless a window is live: every change of a flush and a replay runs here.
         cats = self._cur.get(device)
         if cats is None:
             cats = self._cur[device] = [0] * _N

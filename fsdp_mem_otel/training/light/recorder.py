@@ -30,6 +30,7 @@ from fsdp_mem_otel.schema import (
     ModuleReport,
     largest_total,
 )
+from fsdp_mem_otel.training.light import log
 from fsdp_mem_otel.training.light.counters import INDEX, Counters, RawBreakdown, Snap
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,11 @@ class _Totals:
 _REPLAY_AT = 1 << 18
 
 
+def _rebound(recorder: StepRecorder, method: Callable[..., None], args: list[Any]) -> None:
+    """A step recorder's event of the log, run on ``recorder`` instead of the one it was queued for."""
+    method.__func__(recorder, *args)  # type: ignore[attr-defined]
+
+
 class StepReplay:
     """A light step's snapshots: each flushed part of its log (``Counters.retain``) replayed when first read
     through a recorder of its own, so they are an immediate ledger's. Holds no tensor."""
@@ -104,12 +110,12 @@ class StepReplay:
     def __init__(self, start: RawBreakdown) -> None:
         self._start = start  # the counters when the step began; its recorder is made at the first read
         self._recorder: StepRecorder | None = None
-        self._parts: list[Any] = []  # lists, or callables that build one (``keep``)
+        self._parts: list[list[Any]] = []  # flushed parts of the log (``keep``)
         self._waiting = 0
         self._lock = threading.Lock()
 
-    def keep(self, part: Any) -> None:
-        """A replayed part of the step's log, in order: a list, or a sized callable that builds it."""
+    def keep(self, part: list[Any]) -> None:
+        """A flushed part of the step's log, in order."""
         with self._lock:
             self._parts.append(part)
             self._waiting += len(part)
@@ -125,23 +131,11 @@ class StepReplay:
                 counters = Counters()
                 counters.start_from(self._start)
                 recorder = self._recorder = StepRecorder(counters, StepContext())
-            apply = recorder.ledger.apply
-            for part in parts:
-                if part.__class__ is not list:
-                    part = part()
-                i, n = 0, len(part)
-                while i < n:
-                    head = part[i]
-                    if head.__class__ is str:
-                        apply(head, part[i + 1], part[i + 2])
-                        i += 3
-                    else:
-                        k = part[i + 1]
-                        i += 2 + k
-                        try:  # the step recorder's event, here; it ran once already, with window totals alone
-                            head.__func__(recorder, *part[i - k:i])
-                        except Exception:  # noqa: BLE001 - as the ledger's replay: the others still run
-                            logger.debug("fsdp_mem_otel: a replayed event failed", exc_info=True)
+            failures: list[Exception] = []
+            for part in parts:  # the step recorder's events here; they ran once already, with window totals alone
+                log.take(part, recorder.ledger.apply, functools.partial(_rebound, recorder), failures)
+            for exc in failures:  # as a flush's: the others still ran
+                logger.debug("fsdp_mem_otel: a replayed event failed", exc_info=exc)
             return recorder._snaps
 
 
@@ -298,11 +292,11 @@ class StepRecorder:
         return self.modules_later()()
 
     def modules_later(self) -> Callable[[], dict[str, ModuleReport]]:
-        """``modules`` as of now, built when called, on any thread (the log is only appended to)."""
+        """``modules`` as of now, built when called, on any thread (the record is only appended to)."""
         self.ledger.flush()
         replay = self._replay  # a light step's snapshots are replayed when read
-        log = (self._states, replay.snaps if replay is not None else self._snaps, self._times)
-        return functools.partial(_module_reports, self._keys, len(self._keys), self._snaps, log)
+        record = (self._states, replay.snaps if replay is not None else self._snaps, self._times)
+        return functools.partial(_module_reports, self._keys, len(self._keys), self._snaps, record)
 
     # -- where are we --------------------------------------------------------------------------
     @property
@@ -324,13 +318,13 @@ class StepRecorder:
         return key, next((self._states[i] for i in range(len(keys) - 1, -1, -1) if keys[i] == key), "")
 
 
-def _module_reports(keys: list[str], n: int, snaps: list[Any], log: tuple[list[str], Any, list[int]],
+def _module_reports(keys: list[str], n: int, snaps: list[Any], record: tuple[list[str], Any, list[int]],
                     ) -> dict[str, ModuleReport]:
-    """``StepRecorder.modules`` from the log's first ``n`` entries and their snapshots (or window totals)."""
-    states = log[0]
+    """``StepRecorder.modules`` from the record's first ``n`` entries and their snapshots (or window totals)."""
+    states = record[0]
     at: dict[str, list[int]] = {}
     peaks: dict[str, list[int | None]] = {}  # key -> [forward, backward] peak totals
-    for i, key in enumerate(keys[:n]):  # one pass: the step's log is ~10 entries per module
+    for i, key in enumerate(keys[:n]):  # one pass: the step's record is ~10 entries per module
         where = at.get(key)
         if where is None:
             at[key] = [i]
@@ -349,5 +343,5 @@ def _module_reports(keys: list[str], n: int, snaps: list[Any], log: tuple[list[s
     out: dict[str, ModuleReport] = {}
     for key, where in at.items():
         fwd, bwd = peaks.get(key) or (None, None)
-        out[key] = CountedModuleReport(None, None, (fwd, bwd), log, tuple(where))
+        out[key] = CountedModuleReport(None, None, (fwd, bwd), record, tuple(where))
     return out

@@ -24,6 +24,7 @@ from fsdp_mem_otel.schema import (
 )
 from fsdp_mem_otel.training.adapters.base import tensors_in
 from fsdp_mem_otel.training.deep import release_backend_buffers
+from fsdp_mem_otel.training.light import log
 from fsdp_mem_otel.training.light.activations import SavedTensorAccounting
 from fsdp_mem_otel.training.light.ledger import INDEX, Ledger
 from fsdp_mem_otel.training.light.recorder import StepRecorder
@@ -124,8 +125,8 @@ class Sink(LedgerCalls):
             pending = self.ledger.pending
             if pending is None:
                 self.recorder.on_state(key, state, in_backward, windowed, t)
-            else:  # ``Counters.queue`` written out (the hot path): applied when read, with this time
-                pending.extend((self._record_state, 5, key, state, in_backward, windowed, t))
+            else:  # applied when read, with this time
+                log.event(pending, self._record_state, key, state, in_backward, windowed, t)
             if state == AFTER_POST_FORWARD:  # a module's forward ends (or its recompute)
                 if self._sample is not None:
                     self._sample()
@@ -160,7 +161,7 @@ class Sink(LedgerCalls):
             if pending is None:
                 self.recorder.on_state(key, state, True, windowed, t)
             else:  # as in ``on_state``
-                pending.extend((self._record_state, 5, key, state, True, windowed, t))
+                log.event(pending, self._record_state, key, state, True, windowed, t)
             if state == AFTER_POST_BACKWARD:  # a module's backward ends
                 if self._sample is not None:
                     self._sample()

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from fsdp_mem_otel.training.light import log
 from fsdp_mem_otel.training.light.ledger import Ledger, storages_of
 
 
@@ -22,8 +23,8 @@ class LedgerCalls:
         """Add ``delta`` bytes to category index ``cat`` on ``device`` (sized and timed by FSDP's events)."""
         if self.active and delta:
             pending = self.ledger.pending
-            if pending is not None:  # ``Counters.add_at``, written out: ~170 calls a step
-                pending.extend((device, cat, delta))
+            if pending is not None:  # ``Counters.add_at`` without its frame: ~170 calls a step
+                log.change(pending, device, cat, delta)
                 return
             try:
                 self.ledger.add_at(device, cat, delta)
