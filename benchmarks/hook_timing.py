@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import importlib
 import json
 import statistics
 import sys
@@ -43,12 +44,20 @@ import torch.distributed as dist
 
 import fsdp_mem_otel.training.adapters.fsdp2 as fsdp2
 import fsdp_mem_otel.training.adapters.fsdp2_groups as fsdp2_groups
-import fsdp_mem_otel.training.light.activations as activations
-import fsdp_mem_otel.training.light.ledger as ledger
-import fsdp_mem_otel.training.light.sink as sink
 import fsdp_mem_otel.training.optimizers as optimizers
 import fsdp_mem_otel.training.tracker as tracker_module
 from fsdp_mem_otel.tools.demo import WrapOptions, build, init_distributed, make_batch, train_step
+
+
+def _light(name: str) -> Any:
+    """A light-mode module, in training/light/ or, in trees before 2026-11-29 (A/B runs), training/."""
+    try:
+        return importlib.import_module(f"fsdp_mem_otel.training.light.{name}")
+    except ModuleNotFoundError:
+        return importlib.import_module(f"fsdp_mem_otel.training.{name}")
+
+
+activations, ledger, sink = _light("activations"), _light("ledger"), _light("sink")
 
 TIMES: collections.Counter[str] = collections.Counter()
 #: the entry timers' clock: wall time (``--clock wall``) or this thread's CPU time (``--clock cpu``)
