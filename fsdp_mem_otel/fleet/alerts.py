@@ -221,7 +221,8 @@ def device_peak_expression() -> str:
     per = _by((*RANK, "device"))
     parts = [(f'{cat.STEP_PEAK_BYTES.name}{{category="total",device=~"cuda.*"}}', "tracked")]
     parts += [(f'{m.name}{{device=~"cuda.*"}}', m.source.removesuffix("_peak_bytes")) for m in ALLOCATOR_PEAKS]
-    body = "or\n".join(f'label_replace(max by ({per}) ({s}), "peak", "{name}", "", "")\n' for s, name in parts)
+    body = "or\n".join(f'label_replace(\n  max by ({per}) ({s}),\n  "peak", "{name}", "", ""\n)\n'
+                       for s, name in parts)
     return f"max by ({per}) (\n{_indent(body)})\n"
 
 
