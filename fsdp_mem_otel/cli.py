@@ -8,6 +8,8 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 
+from fsdp_mem_otel.cli_errors import DEBUG_FLAG, UsageError, run_command
+
 USAGE = """usage: fsdp-mem-otel COMMAND [options]
 
 commands:
@@ -20,7 +22,8 @@ commands:
   report  turn JSONL step reports into one self-contained HTML page
   compare what grew between two runs (or an estimate and a run), per category and per module
 
-`fsdp-mem-otel COMMAND --help` for a command's options."""
+`fsdp-mem-otel COMMAND --help` for a command's options. A mistake is reported in one line on stderr;
+--debug (anywhere among the options) shows the traceback as well."""
 
 
 def demo(argv: Sequence[str]) -> int:
@@ -40,15 +43,23 @@ def demo(argv: Sequence[str]) -> int:
     try:
         demo_configs(args)
     except (TypeError, ValueError) as exc:
-        print(f"fsdp-mem-otel demo: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from exc
+    from fsdp_mem_otel.cli_errors import check_writable
+    from fsdp_mem_otel.tools.demo import jsonl_path
+
+    if args.out:
+        check_writable(jsonl_path(args.out, 0), "--out")
+    if args.sidecar_dir:
+        check_writable(args.sidecar_dir, "--sidecar-dir", directory=True)
     rank_args = list(argv)
     if "--nproc" in rank_args:  # the launcher's option, not the ranks'
         i = rank_args.index("--nproc")
         del rank_args[i : i + 2]
     rank_args = [a for a in rank_args if not a.startswith("--nproc=")]
+    # torchrun through tools/launch.py: a rank that fails says so in one line (the rank's own),
+    # not in torchrun's ChildFailedError report (--debug, passed on in the environment, shows both)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+        sys.executable, "-m", "fsdp_mem_otel.tools.launch", "--standalone", "--nproc-per-node", str(args.nproc),
         "-m", "fsdp_mem_otel.tools.demo", *rank_args,
     ]
     env = dict(os.environ)
@@ -64,9 +75,14 @@ def estimate(argv: Sequence[str]) -> int:
 
 
 def run(argv: Sequence[str]) -> int:
-    from fsdp_mem_otel.run import main as run_main
+    from fsdp_mem_otel import run as run_module
 
-    return run_main(argv)
+    args = list(argv)
+    if not args or args[0] in ("-h", "--help"):  # its usage, under this command's name
+        usage = run_module.USAGE.replace("python -m fsdp_mem_otel.run", "fsdp-mem-otel run")
+        print(usage, file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
+    return run_module.main(args)
 
 
 def serve(argv: Sequence[str]) -> int:
@@ -76,7 +92,7 @@ def serve(argv: Sequence[str]) -> int:
 
 
 def rules(argv: Sequence[str]) -> int:
-    from fsdp_mem_otel.fleet.alerts import rules_main
+    from fsdp_mem_otel.fleet.rules_command import rules_main
 
     return rules_main(list(argv))
 
@@ -106,7 +122,14 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``fsdp-mem-otel COMMAND ...``; returns the exit status. A mistake (``UsageError``) is
+    one line on stderr, exit 2; any other exception one line naming its type, exit 1; ``--debug``
+    (anywhere among the options; for ``run``, before the script) adds the traceback."""
     args = list(sys.argv[1:] if argv is None else argv)
+    debug = False
+    while args and args[0] == DEBUG_FLAG:  # before the command
+        debug = True
+        args = args[1:]
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if args else 2
@@ -115,7 +138,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fsdp-mem-otel: unknown command {command!r}; accepted: {', '.join(COMMANDS)}\n\n{USAGE}",
               file=sys.stderr)
         return 2
-    return COMMANDS[command](rest)
+    if command == "run":  # the script's own arguments may hold --debug: only one before the script is ours
+        while rest and rest[0] == DEBUG_FLAG:
+            debug = True
+            rest = rest[1:]
+        return run_command(f"fsdp-mem-otel {command}", COMMANDS[command], rest, debug=debug, strip=False,
+                           catch_all=False)
+    return run_command(f"fsdp-mem-otel {command}", COMMANDS[command], rest, debug=debug)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ class FailureLog:
         self.logger = logger
         self.component = component
         self.total = 0
+        #: the last failure, in words (``kind: TYPE: message: detail``); None before any
+        self.last: str | None = None
         self._failing: set[str] = set()
         self._warned: set[str] = set()
         self._lock = threading.Lock()
@@ -34,8 +36,11 @@ class FailureLog:
     def failed(self, kind: str, exc: BaseException | None = None, detail: str = "") -> bool:
         """Count one failure of ``kind``; log it if it is the first since the kind last worked.
         Returns whether it was logged. Thread-safe; never raises."""
+        what = f"{kind} failed" + (f" ({detail})" if detail else "") + (
+            f": {type(exc).__name__}: {exc}" if exc is not None else "")
         with self._lock:
             self.total += 1
+            self.last = what
             first = kind not in self._failing
             self._failing.add(kind)
         if first:
@@ -43,6 +48,16 @@ class FailureLog:
             self.logger.error("fsdp_mem_otel: %s: %s failed (counted; logged again only after it recovers)%s",
                               self.component, kind, text, exc_info=exc)
         return first
+
+    def __str__(self) -> str:
+        """The failures in words: how many, and the last (for messages; ``repr`` says the same)."""
+        if not self.total:
+            return f"{self.component}: no failures"
+        last = f"; last: {self.last}" if self.last else ""
+        return f"{self.component}: {self.total} failure{'s' if self.total != 1 else ''}{last}"
+
+    def __repr__(self) -> str:
+        return f"<FailureLog {self}>"
 
     def count(self, n: int = 1) -> None:
         """Count ``n`` failures that are logged elsewhere (or warned about once)."""

@@ -17,7 +17,7 @@ import fsdp_mem_otel
 
 PACKAGE = Path(fsdp_mem_otel.__file__).parent
 ROOT = PACKAGE.parent
-SHARED = {"schema", "config", "env", "checks", "failures", "identity"}
+SHARED = {"schema", "config", "env", "checks", "failures", "identity", "cli_errors"}
 PARTS = {"training", "tools", "exporters", "fleet", "offline"}
 #: entry points that wire the parts together, and the package's own plumbing
 ENTRY = {"__init__", "__main__", "cli", "_moved", "integrations", "run", "bootstrap"}

@@ -1,6 +1,6 @@
 """Prometheus alert and recording rules, and the same rules as a PrometheusRule. Standard library
-plus PyYAML (only to write the files). ``fsdp-mem-otel rules`` also writes the dashboards'
-ConfigMaps, which ``k8s_files.py`` builds.
+plus PyYAML (only to write the files). ``fsdp-mem-otel rules`` (``rules_command.py``) writes them
+with the dashboards' ConfigMaps.
 
 Every metric name comes from ``fsdp_mem_otel.fleet.catalog``, so a rename happens in one place;
 ``fsdp-mem-otel rules --out deploy/prometheus/`` rewrites the committed files (a test
@@ -18,20 +18,16 @@ defaults.
 
 from __future__ import annotations
 
-import argparse
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 from fsdp_mem_otel.fleet import catalog as cat
 from fsdp_mem_otel.fleet.k8s_files import HEADER, dashboards_configmaps, to_yaml
 
 __all__ = ["DASHBOARDS_FILE", "HEADER", "PROMETHEUS_RULE_FILE", "RULES_FILE", "RuleConfig", "alert_rules",
-           "dashboards_configmaps", "prometheus_rule", "recording_rules", "render", "rule_groups", "rules_main",
-           "to_yaml", "write"]
+           "dashboards_configmaps", "prometheus_rule", "recording_rules", "rule_groups", "to_yaml"]
 
 RULES_FILE = "fsdp-mem-otel.rules.yml"
 PROMETHEUS_RULE_FILE = "prometheusrule.yaml"
@@ -658,61 +654,3 @@ def prometheus_rule(cfg: RuleConfig | None = None) -> dict[str, Any]:
         },
         "spec": {"groups": rule_groups(cfg)},
     }
-
-
-def render(cfg: RuleConfig | None = None, dashboards_dir: str | os.PathLike[str] = "dashboards") -> dict[str, str]:
-    """Generated file name (relative: ``prometheus/...`` or ``k8s/...``) -> content."""
-    cms = dashboards_configmaps(dashboards_dir)
-    dash = to_yaml(*cms) if cms else HEADER + (
-        "# No dashboards/*.json yet: run `fsdp-mem-otel dashboards`, then `fsdp-mem-otel rules`.\n"
-    )
-    return {
-        f"prometheus/{RULES_FILE}": to_yaml({"groups": rule_groups(cfg)}),
-        f"k8s/{PROMETHEUS_RULE_FILE}": to_yaml(prometheus_rule(cfg)),
-        f"k8s/{DASHBOARDS_FILE}": dash,
-    }
-
-
-def write(out: str | os.PathLike[str], k8s_out: str | os.PathLike[str], cfg: RuleConfig | None = None,
-          dashboards_dir: str | os.PathLike[str] = "dashboards") -> list[str]:
-    """Write the rules file to ``out`` and the PrometheusRule and dashboards ConfigMaps to ``k8s_out``."""
-    written = []
-    for rel, text in render(cfg, dashboards_dir).items():
-        kind, name = rel.split("/", 1)
-        directory = Path(out if kind == "prometheus" else k8s_out)
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / name
-        path.write_text(text, encoding="utf-8")
-        written.append(str(path))
-    return written
-
-
-def rules_main(argv: Sequence[str] | None = None) -> int:
-    """``fsdp-mem-otel rules --out deploy/prometheus/ [--k8s-out deploy/k8s/] [thresholds]``."""
-    p = argparse.ArgumentParser(
-        prog="fsdp-mem-otel rules",
-        description="Write the Prometheus alert/recording rules, the same rules as a PrometheusRule, and the "
-                    "Grafana dashboards ConfigMaps.",
-    )
-    p.add_argument("--out", default="deploy/prometheus", help="directory for the rules file (default %(default)s)")
-    p.add_argument("--k8s-out", default=None,
-                   help="directory for prometheusrule.yaml and grafana-dashboards.yaml (default: OUT/../k8s)")
-    p.add_argument("--dashboards", default="dashboards", help="directory of dashboard JSON files (default %(default)s)")
-    defaults = RuleConfig()
-    for f in fields(RuleConfig):
-        default = getattr(defaults, f.name)
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(default), default=default,
-                       help=f"(default {default})")
-    args = p.parse_args(argv)
-    try:
-        cfg = RuleConfig(**{f.name: getattr(args, f.name) for f in fields(RuleConfig)})
-    except ValueError as exc:
-        p.error(str(exc))
-    k8s_out = args.k8s_out if args.k8s_out is not None else os.path.join(args.out, os.pardir, "k8s")
-    for path in write(args.out, os.path.normpath(k8s_out), cfg, args.dashboards):
-        print(f"wrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(rules_main())

@@ -762,6 +762,10 @@ def dashboards_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--check", action="store_true",
                    help="write nothing; exit 1 if the files in --out differ from a fresh build")
     args = p.parse_args(argv)
+    from fsdp_mem_otel.cli_errors import check_writable, write_failed
+
+    if not args.check:
+        check_writable(args.out, "--out", directory=True)
     try:
         if args.check:
             stale = check_dashboards(args.out)
@@ -773,8 +777,14 @@ def dashboards_main(argv: Sequence[str] | None = None) -> int:
     except ImportError as exc:
         print(f"fsdp-mem-otel dashboards: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:
+        raise write_failed(getattr(exc, "filename", None) or args.out, "--out", exc) from exc
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(dashboards_main())
+    import sys
+
+    from fsdp_mem_otel.cli_errors import run_command
+
+    raise SystemExit(run_command("fsdp-mem-otel dashboards", dashboards_main, sys.argv[1:]))

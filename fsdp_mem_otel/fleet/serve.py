@@ -33,12 +33,15 @@ Does not import torch: the sidecar container needs only prometheus_client.
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import logging
 import os
 import signal
+import socket
 import ssl
 import stat
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -50,6 +53,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 
 from fsdp_mem_otel.checks import check_tls, int_at_least, seconds_above_zero, seconds_at_least_zero
+from fsdp_mem_otel.cli_errors import UsageError
 from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.fleet import catalog as cat
 from fsdp_mem_otel.fleet.http_server import CONTENT_TYPE, MetricsServer, ssl_context
@@ -408,9 +412,24 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                              client_cafile=args.client_cafile, stale_seconds=args.stale_seconds,
                              max_file_bytes=args.max_file_bytes, max_files=args.max_files,
                              ended_seconds=args.ended_seconds)
-    except (OSError, ssl.SSLError) as exc:
-        print(f"fsdp-mem-otel serve: cannot listen on {args.addr}:{args.port}: {exc}", flush=True)
-        return 1
+    except ssl.SSLError as exc:
+        raise UsageError(f"--certfile/--keyfile: cannot serve TLS with {args.certfile} and {args.keyfile}: {exc}",
+                         code=1) from exc
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise UsageError(f"--port {args.port}: {args.addr}:{args.port} is already in use; stop what listens "
+                             "there or give another --port", code=1) from exc
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise UsageError(f"--port {args.port}: not allowed to listen on {args.addr}:{args.port} "
+                             f"({exc.strerror}); give a --port above 1023", code=1) from exc
+        if exc.errno == errno.EADDRNOTAVAIL or isinstance(exc, socket.gaierror):
+            raise UsageError(f"--addr {args.addr}: cannot listen there ({exc.strerror or exc}); give an address "
+                             "of this machine (0.0.0.0 for every one)", code=1) from exc
+        if args.certfile and not all(os.path.isfile(f) for f in (args.certfile, args.keyfile)):
+            raise UsageError(f"--certfile/--keyfile: {exc}; give the PEM files of the certificate and its key",
+                             code=1) from exc
+        raise UsageError(f"--addr/--port: cannot listen on {args.addr}:{args.port} ({exc.strerror or exc})",
+                         code=1) from exc
     stopping = threading.Event()
 
     def _stop(signum: int, frame: Any) -> None:
@@ -454,5 +473,7 @@ def _drain_then_stop(server: MetricsServer, drain_seconds: float) -> None:
 
 
 if __name__ == "__main__":
+    from fsdp_mem_otel.cli_errors import run_command
+
     logging.basicConfig(level=logging.INFO)
-    raise SystemExit(serve_main())
+    raise SystemExit(run_command("fsdp-mem-otel serve", serve_main, sys.argv[1:]))

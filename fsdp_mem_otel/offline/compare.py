@@ -20,14 +20,15 @@ import argparse
 import html
 import json
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_mem_otel.checks import int_at_least
-from fsdp_mem_otel.offline.jsonl_format import main_device, read_reports
+from fsdp_mem_otel.offline.jsonl_format import check_step_report_file, main_device, read_reports
 from fsdp_mem_otel.offline.table import human_bytes, render_table, signed_bytes
-from fsdp_mem_otel.schema import CATEGORY_KEYS, DEEP, PEAK_BACKWARD, PEAK_FORWARD, StepReport
+from fsdp_mem_otel.schema import CATEGORY_KEYS, DEEP, LIGHT, PEAK_BACKWARD, PEAK_FORWARD, StepReport
 
 PHASES = ((PEAK_FORWARD, "forward"), (PEAK_BACKWARD, "backward"))
 
@@ -129,6 +130,27 @@ def compare_runs(a_path: str, b_path: str, *, step: int | None = None, rank: int
     return compare(load_profile(a_path, step=step, rank=rank), load_profile(b_path, step=step, rank=rank))
 
 
+def kind(report: StepReport) -> str:
+    """What a profile is, in words: ``light mode``, ``deep mode``, or ``an estimate`` (deep mode
+    on fake tensors: a deep report without any allocator statistics, as ``estimate`` writes it)."""
+    if report.mode == DEEP and not any(report.allocator.values()):
+        return "an estimate (deep mode)"
+    return f"{report.mode} mode"
+
+
+def modes_note(c: Comparison) -> str | None:
+    """One line when the two sides were measured in different modes (light against deep or an
+    estimate), which put the same bytes in different categories (README: what light mode
+    measures); None when both are in the same mode."""
+    a, b = c.a.report.mode, c.b.report.mode
+    if a == b or {a, b} - {LIGHT, DEEP}:
+        return None
+    return (f"note: A is {kind(c.a.report)}, B is {kind(c.b.report)}: they put the same bytes in different "
+            "categories (deep: every op's output under its category, temporaries in temp; light: FSDP's hooks, "
+            "buffers and saved tensors, op temporaries not seen on CPU and the allocator's excess as temp on CUDA, "
+            "its peaks low by the temporaries): compare the totals and peaks, not the categories")
+
+
 def _pct(d: Delta) -> str:
     r = d.ratio
     return "new" if r is None and d.b else ("" if r is None else f"{(r - 1) * 100:+.1f}%")
@@ -162,7 +184,8 @@ def _describe(p: Profile, exact: bool = False) -> str:
 def render_text(c: Comparison, top: int | None = 20, exact: bool = False) -> str:
     """Plain-text tables: categories at the step peak, then module peaks, largest delta first.
     Each figure in the unit that fits it (B, KiB, MiB, GiB), or with ``exact`` in bytes."""
-    parts = [f"A = {_describe(c.a, exact)}", f"B = {_describe(c.b, exact)}", "",
+    note = modes_note(c)
+    parts = [f"A = {_describe(c.a, exact)}", f"B = {_describe(c.b, exact)}", *([note] if note else []), "",
              "At the step peak, by category:", render_table(_head("category", exact), _rows(c.categories, None, exact)),
              ""]
     parts += [f"Module peaks (largest change first{'' if top is None else f', top {top}'}):",
@@ -183,6 +206,7 @@ def render_html_section(c: Comparison, top: int | None = 50) -> str:
 
     parts = ["<section class=\"comparison\"><h2>Compared with a baseline</h2>",
              f"<p>A = {html.escape(_describe(c.a))}<br>B = {html.escape(_describe(c.b))}</p>",
+             *([f"<p class=\"note\">{html.escape(note)}</p>"] if (note := modes_note(c)) else []),
              table("At the step peak, by category", "category", _rows(c.categories, None)),
              table("Module peaks, largest change first", "module / phase", _rows(c.modules, top))]
     if c.only_a or c.only_b:
@@ -213,7 +237,7 @@ def to_dict(c: Comparison, top: int | None = None) -> dict[str, Any]:
     modules = c.modules if top is None else c.modules[:top]
     return {"a": side(c.a), "b": side(c.b), "categories": [delta(d) for d in c.categories],
             "modules": [delta(d) for d in modules], "modules_total": len(c.modules),
-            "modules_only_in_a": list(c.only_a), "modules_only_in_b": list(c.only_b)}
+            "modules_only_in_a": list(c.only_a), "modules_only_in_b": list(c.only_b), "note": modes_note(c)}
 
 
 def compare_main(argv: Sequence[str] | None = None) -> int:
@@ -235,11 +259,19 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     out.add_argument("--json", action="store_true",
                      help="print the comparison as JSON, every figure in exact bytes (--top applies to modules)")
     args = p.parse_args(argv)
+    check_step_report_file(args.a, "A, the baseline")
+    check_step_report_file(args.b, "B")
     try:
-        c = compare_runs(args.a, args.b, step=args.step, rank=args.rank)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            c = compare_runs(args.a, args.b, step=args.step, rank=args.rank)
     except (OSError, ValueError) as exc:
         print(f"fsdp-mem-otel compare: {exc}", file=sys.stderr)
         return 1
+    for w in caught[:5]:
+        print(f"fsdp-mem-otel compare: warning: {w.message}", file=sys.stderr)
+    if len(caught) > 5:
+        print(f"fsdp-mem-otel compare: ... {len(caught) - 5} more lines skipped", file=sys.stderr)
     if args.json:
         json.dump(to_dict(c, top=args.top or None), sys.stdout, indent=2)
         sys.stdout.write("\n")

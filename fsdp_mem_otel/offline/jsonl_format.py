@@ -207,6 +207,53 @@ def rotated_files(path: str | os.PathLike[str]) -> list[str]:
     return files
 
 
+#: what a step-report file is, as the command line's errors say it
+STEP_REPORT_FILE = ("a JSON-lines file of step reports (written by the JSONL exporter, FSDP_MEM_OTEL_JSONL, "
+                    "demo --out or estimate --out)")
+
+
+def check_step_report_file(path: str | os.PathLike[str], argument: str) -> None:
+    """A ``cli_errors.UsageError`` naming ``argument`` unless ``path`` (with its rotated
+    predecessors) is a step-report file: it exists, is not a folder, has a non-blank line, and
+    its first such line is a StepReport. Reads the first line of the oldest file only."""
+    from fsdp_mem_otel.cli_errors import UsageError
+
+    shown = os.fspath(path)
+    if os.path.isdir(shown):
+        raise UsageError(f"{shown} ({argument}): is a folder; give {STEP_REPORT_FILE} in it")
+    files = rotated_files(shown)
+    if not files:
+        raise UsageError(f"{shown} ({argument}): no such file (nor rotated {shown}.N); give {STEP_REPORT_FILE}")
+    for f in files:
+        try:
+            with open_data(f) as fh:
+                for i, raw in enumerate(_lines(fh)):
+                    if not raw.strip():
+                        continue
+                    try:
+                        StepReport.from_dict(json.loads(raw))
+                    except LINE_ERRORS as exc:
+                        why = " ".join(str(exc).split())[:120]
+                        raise UsageError(f"{shown} ({argument}): not {STEP_REPORT_FILE}: line {i + 1} of {f} is not a "
+                                         f"step report ({type(exc).__name__}: {why})") from None
+                    return
+        except OSError as exc:
+            raise UsageError(f"{shown} ({argument}): cannot read {f} ({exc.strerror or exc}); give "
+                             f"{STEP_REPORT_FILE}") from None
+    raise UsageError(f"{shown} ({argument}): is empty (no step report in it); give {STEP_REPORT_FILE}")
+
+
+def _lines(f: Any) -> Iterator[bytes]:
+    """The lines of a binary file, read in chunks (an unbuffered raw file iterates slowly)."""
+    rest = b""
+    while chunk := f.read(_CHUNK):
+        rest += chunk
+        *whole, rest = rest.split(b"\n")
+        yield from whole
+    if rest:
+        yield rest
+
+
 def read_reports(*paths: str | os.PathLike[str]) -> Iterator[StepReport]:
     """The StepReports in JSONL files, in file order.
 

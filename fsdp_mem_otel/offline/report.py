@@ -74,7 +74,14 @@ import numpy as np
 
 from fsdp_mem_otel.checks import int_at_least
 from fsdp_mem_otel.offline import trends as trends_mod
-from fsdp_mem_otel.offline.jsonl_format import Progress, main_device, quiet, rotated_files, step_peak
+from fsdp_mem_otel.offline.jsonl_format import (
+    Progress,
+    check_step_report_file,
+    main_device,
+    quiet,
+    rotated_files,
+    step_peak,
+)
 from fsdp_mem_otel.offline.run_index import RunIndex, StepSeries, scan_files
 from fsdp_mem_otel.offline.trends import RankTrend, TrendBuilder
 from fsdp_mem_otel.offline.trends_html import Section, forecast_section, leak_section
@@ -814,6 +821,13 @@ def report_main(argv: Sequence[str] | None = None) -> int:
         blocker = os.path.dirname(blocker)
     if blocker and not os.path.isdir(blocker):
         p.error(f"argument -o/--output: cannot create {out_parent}: {blocker} is a file")
+    from fsdp_mem_otel.cli_errors import check_writable
+
+    for path in args.paths:
+        check_step_report_file(path, "RUN.jsonl")
+    for path in args.baseline or []:
+        check_step_report_file(path, "--baseline")
+    check_writable(args.output, "-o/--output")
 
     t0 = time.perf_counter()
 
@@ -844,4 +858,6 @@ def report_main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(report_main())
+    from fsdp_mem_otel.cli_errors import run_command
+
+    raise SystemExit(run_command("fsdp-mem-otel report", report_main, sys.argv[1:]))

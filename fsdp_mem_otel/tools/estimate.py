@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import math
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
@@ -138,9 +140,9 @@ class EstimateConfig:
 def _check_factory(name: str, value: object) -> None:
     if value is None or callable(value):
         return
-    if not isinstance(value, str) or value.count(":") != 1 or not all(value.split(":")):
-        raise ValueError(f"{name} must be 'module:function' (e.g. 'mypkg.models:build'), a callable or None; "
-                         f"got {value!r}")
+    if not isinstance(value, str) or ":" not in value or not all(value.rsplit(":", 1)):
+        raise ValueError(f"{name} must be 'module:function' (e.g. 'mypkg.models:build') or "
+                         f"'path/to/file.py:function', a callable or None; got {value!r}")
 
 
 def _check_choice(name: str, value: object, accepted: Sequence[str] | dict[str, Any], optional: bool = False) -> None:
@@ -151,21 +153,95 @@ def _check_choice(name: str, value: object, accepted: Sequence[str] | dict[str, 
         raise ValueError(f"{name} must be one of {names}; got {value!r}")
 
 
+class OptionError(ValueError):
+    """A value of ``EstimateConfig`` (the field ``option``) that the job rejects; the command line
+    names it as ``--option`` (``cli_message``, with ``cli_detail`` where the detail names other
+    fields)."""
+
+    def __init__(self, option: str, detail: str, cli_detail: str | None = None) -> None:
+        super().__init__(f"{option} {detail}")
+        self.option, self.detail = option, detail
+        self.cli_detail = detail if cli_detail is None else cli_detail
+
+    def cli_message(self) -> str:
+        return f"--{self.option.replace('_', '-')} {self.cli_detail}"
+
+
+#: the forms a ``"module:function"`` argument takes, as the errors say them
+FACTORY_FORMS = "accepted: module.path:callable (importable from the current folder or PYTHONPATH) or " \
+                "path/to/file.py:callable"
+
+
+def _import_file(path: str) -> Any:
+    """The module in the file ``path`` (its folder put on sys.path first, as ``python path`` does)."""
+    import importlib.util
+    import sys
+
+    full = os.path.abspath(path)
+    name = os.path.splitext(os.path.basename(full))[0]
+    loaded = sys.modules.get(name)
+    if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") == full:
+        return loaded
+    folder = os.path.dirname(full)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(name, full)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _is_file_spec(module_name: str) -> bool:
+    return module_name.endswith(".py") or "/" in module_name or os.sep in module_name
+
+
 def load_callable(name: str, spec: str | Callable[..., Any]) -> Callable[..., Any]:
     """``spec`` itself if callable, else the callable that ``"module:function"`` names
-    (``function`` may be dotted); a ValueError naming ``name`` when it cannot be found."""
+    (``function`` may be dotted): the module imported from the current folder (put on the import
+    path, as ``python -m`` and torchrun do) or PYTHONPATH, or from a file (``"path/to/file.py:function"``).
+    An ``OptionError`` (a ValueError) naming ``name`` when it cannot be found."""
+    import sys
+
     if callable(spec):
         return spec
-    module_name, attr = spec.split(":")
+    module_name, attr = spec.rsplit(":", 1)
     try:
-        obj: Any = importlib.import_module(module_name)
+        if _is_file_spec(module_name):
+            if not os.path.isfile(module_name):
+                raise OptionError(name, f"{spec!r}: no such file {module_name!r}; {FACTORY_FORMS}")
+            obj: Any = _import_file(module_name)
+        else:
+            if os.getcwd() not in sys.path and "" not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            obj = importlib.import_module(module_name)
+    except OptionError:
+        raise
     except ImportError as exc:
-        raise ValueError(f"{name} {spec!r}: cannot import module {module_name!r} ({exc})") from None
+        raise OptionError(name, f"{spec!r}: cannot import module {module_name!r} ({exc}); {FACTORY_FORMS}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing: say how, in one line
+        raise OptionError(name, f"{spec!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}") from exc
     for part in attr.split("."):
         obj = getattr(obj, part, None)
     if not callable(obj):
-        raise ValueError(f"{name} {spec!r}: module {module_name!r} has no callable {attr!r}")
+        what = "no callable" if obj is None else f"{type(obj).__name__}, not a callable, at"
+        raise OptionError(name, f"{spec!r}: module {module_name!r} has {what} {attr!r}; {FACTORY_FORMS}")
     return obj
+
+
+def call_factory(name: str, spec: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``load_callable(name, spec)(*args, **kwargs)``; what it raises becomes an OptionError
+    naming ``name`` (a ValueError it raised about FSDP1 passes through)."""
+    fn = load_callable(name, spec)
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:
+        if isinstance(exc, ValueError) and str(exc) == FSDP1_UNSUPPORTED:
+            raise
+        label = spec if isinstance(spec, str) else getattr(spec, "__qualname__", repr(spec))
+        raise OptionError(name, f"{label!r}: calling it raised {type(exc).__name__}: {exc}") from exc
 
 
 def demo_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -221,9 +297,11 @@ def fsdp_kwargs(config: EstimateConfig, mesh: Any) -> dict[str, Any]:
     return {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": config.reshard_after_forward}
 
 
-def build(config: EstimateConfig, mesh: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(config: EstimateConfig, mesh: Any,
+          before_wrap: Callable[[nn.Module], None] | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The sharded model and its optimizer as ``config`` describes them (on the current device
-    and fake mode, if any). Raises ValueError for FSDP1 or a wrap that applies no FSDP2."""
+    and fake mode, if any); ``before_wrap(model)`` is called on the model as built. Raises
+    ValueError for FSDP1 or a wrap that applies no FSDP2, OptionError when a factory fails."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     if config.model is None:
@@ -231,15 +309,20 @@ def build(config: EstimateConfig, mesh: Any) -> tuple[nn.Module, torch.optim.Opt
 
         model = BlockModel(config.blocks, config.width)
     else:
-        model = load_callable("model", config.model)()
+        model = call_factory("model", config.model)
         if not isinstance(model, nn.Module):
-            raise TypeError(f"model {config.model!r} returned {type(model).__name__}, not a torch.nn.Module")
+            raise OptionError("model", f"{config.model!r} returned {type(model).__name__}, not a torch.nn.Module")
+    if before_wrap is not None:
+        before_wrap(model)
     if config.activation_checkpointing:
         checkpoint_blocks(model)
     wrap = per_block_fsdp2 if config.wrap is None else load_callable("wrap", config.wrap)
     try:
         wrapped = wrap(model, **fsdp_kwargs(config, mesh))
     except Exception as exc:
+        if config.wrap is not None and not (_raised_in_fsdp1(exc) or any(
+                isinstance(m, FullyShardedDataParallel) for m in model.modules())):
+            raise OptionError("wrap", f"{config.wrap!r}: calling it raised {type(exc).__name__}: {exc}") from exc
         if _raised_in_fsdp1(exc) or any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
             raise ValueError(FSDP1_UNSUPPORTED) from exc
         raise
@@ -251,7 +334,7 @@ def build(config: EstimateConfig, mesh: Any) -> tuple[nn.Module, torch.optim.Opt
     if isinstance(config.optimizer, str) and config.optimizer in OPTIMIZERS:
         return wrapped, OPTIMIZERS[config.optimizer](wrapped.parameters(), lr=config.lr)
     factory = cast("str | Callable[..., Any]", config.optimizer)  # not None: EstimateConfig checked it
-    return wrapped, load_callable("optimizer", factory)(wrapped, lr=config.lr)
+    return wrapped, call_factory("optimizer", factory, wrapped, lr=config.lr)
 
 
 def _raised_in_fsdp1(exc: BaseException) -> bool:
@@ -334,28 +417,135 @@ def estimate(config: EstimateConfig) -> StepReport:
                            "initialized (not inside a training job)")
     loss_fn = demo_loss if config.loss is None else load_callable("loss", config.loss)
     device = torch.device(config.device, 0) if config.device == "cuda" else torch.device("cpu")
+    excepthook = sys.excepthook  # init_process_group prefixes every later traceback line with [rank0]
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_level = fake_log.level  # a meta kernel that rejects an input logs its traceback there, then raises
+    fake_log.setLevel(logging.CRITICAL)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=config.world_size)
     try:
         mesh = make_mesh(config)  # outside fake mode: the mesh holds real rank numbers
         with FakeTensorMode() as fake_mode, device:
-            model, optimizer = build(config, mesh)
+            batch = _batch(config)
+            model, optimizer = build(config, mesh, before_wrap=lambda m: check_input(m, batch, loss_fn, config))
             if config.device == "cpu":
                 emulate_gloo(model)
-            batch = _batch(config)
             tracker = FSDPMemoryTracker(model, optimizer, config=TrackerConfig(mode="deep", max_errors=0))
             tracker.ledger.count_fake(fake_mode, device)
             with tracker:
                 for _ in range(config.warmup_steps + 1):
                     tracker.track_inputs(batch)
-                    train_step(model, optimizer, batch, loss_fn)
+                    try:
+                        train_step(model, optimizer, batch, loss_fn)
+                    except Exception as exc:
+                        raise _step_error(config, exc) from exc
                     report = tracker.step()
             if tracker.errors_total:
                 raise RuntimeError(f"the tracker failed {tracker.errors_total} times during the estimate; "
-                                   f"first: {tracker.failures!r}")
+                                   f"last: {tracker.failures}")
     finally:
         dist.destroy_process_group()
+        sys.excepthook = excepthook
+        fake_log.setLevel(fake_level)
     report.allocator = {}  # the allocator ran nothing: no statistics
     return report
+
+
+def _step_error(config: EstimateConfig, exc: BaseException) -> OptionError:
+    """The training step failed on the fake batch: the model (or loss) rejects its shape or dtype."""
+    shape, dtype = config.input_shape, config.input_dtype
+    loss = " (and --loss)" if config.loss is not None else ""
+    what = f"the training step raised {type(exc).__name__}: {' '.join(str(exc).split())}"
+    return OptionError(
+        "batch_shape", f"{shape} with input_dtype {dtype}: {what}; give a batch shape and dtype the model takes",
+        f"{','.join(map(str, shape))} with --input-dtype {dtype}: {what}; give a --batch-shape and --input-dtype "
+        f"the model takes{loss} (--debug shows where it raised)")
+
+
+class _FirstLayer(Exception):
+    """Raised by the pre-hook of the first layer the forward reaches, to stop it there."""
+
+    def __init__(self, name: str, module: nn.Module, args: tuple[Any, ...]) -> None:
+        super().__init__(name)
+        self.name, self.module, self.args = name, module, args
+
+
+#: the most bytes of parameters ``check_input`` materializes for its real forward
+CHECK_MAX_BYTES = 256 << 20
+
+
+def check_input(model: nn.Module, batch: torch.Tensor, loss_fn: Callable[[nn.Module, torch.Tensor], Any],
+                config: EstimateConfig) -> None:
+    """An OptionError (``input_dtype``) when the first layer the batch reaches rejects it on real
+    tensors. Fake tensors run meta kernels, and some are laxer than the real ones: the meta
+    ``addmm`` takes an int64 input into float32 weights, which the CPU kernel refuses ("mat1
+    and mat2 must have the same dtype"), so the estimate would run where the job fails. The
+    forward is run under ``model``'s fake mode up to that layer (a torch.nn layer without
+    children, whose real kernels exist on CPU), which is then called once for real, on CPU, with
+    zeros: its parameters (if at most ``CHECK_MAX_BYTES``), and its inputs (cut to one sample
+    past ``CHECK_MAX_BYTES``), cast as FSDP2's mixed precision casts them (``param_dtype``). A
+    layer whose fake forward fails already is left to the estimate's step to report."""
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+    names = {m: n for n, m in model.named_modules()}
+
+    def stop(module: nn.Module, args: tuple[Any, ...]) -> None:
+        if not any(True for _ in module.children()):
+            try:
+                module.forward(*args)  # under fake tensors: a shape it rejects is the step's to report
+            except Exception:  # noqa: BLE001
+                raise _FirstLayer("", module, ()) from None
+            raise _FirstLayer(names.get(module, "?"), module, args)
+
+    handle = nn.modules.module.register_module_forward_pre_hook(stop)
+    try:
+        loss_fn(model, batch)
+    except _FirstLayer as found:
+        first = found
+    except Exception:  # noqa: BLE001 - not this check's to report: the estimate's step says it, in full
+        return
+    else:
+        return
+    finally:
+        handle.remove()
+    module = first.module
+    if not first.name or not type(module).__module__.startswith("torch.nn."):
+        return  # a layer of the model's own: its kernels may exist only on the target device
+    state = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+    if sum(t.numel() * t.element_size() for _, t in state) > CHECK_MAX_BYTES:
+        return
+    param_dtype = DTYPES[config.param_dtype] if config.param_dtype else None
+    sample = sum(a.numel() * a.element_size() for a in first.args if isinstance(a, torch.Tensor)) > CHECK_MAX_BYTES
+
+    def real(t: Any, sample: bool) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        dtype = param_dtype if param_dtype is not None and t.is_floating_point() else t.dtype
+        shape = (1, *t.shape[1:]) if sample and t.dim() > 1 else tuple(t.shape)
+        return torch.zeros(shape, dtype=dtype, device="cpu")
+
+    with unset_fake_temporarily():
+        tensors = {n: real(t, False) for n, t in state}
+        args = tuple(real(a, sample) for a in first.args)
+        if not all(isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) for t in tensors.values()):
+            return
+        training = module.training
+        module.train(False)
+        try:
+            with torch.no_grad():
+                torch.func.functional_call(module, tensors, args)
+        except Exception as exc:  # noqa: BLE001 - the real kernel's refusal is the answer
+            given = config.input_dtype
+            layer = f"the model's first layer, {first.name} ({type(module).__name__}),"
+            why = " ".join(str(exc).split())
+            hint = ("int64 is for token ids into an embedding; a layer taking features wants float32, bf16 or fp16"
+                    if INPUT_DTYPES[given] == torch.int64 else
+                    "token ids into an embedding want int64; else the dtype of the model's parameters")
+            raise OptionError("input_dtype", f"{given}: {layer} rejects the batch on a real forward: {why}; give "
+                              f"the input_dtype it takes ({hint})",
+                              f"{given}: {layer} rejects the batch on a real forward: {why}; give the --input-dtype "
+                              f"it takes ({hint})") from exc
+        finally:
+            module.train(training)
 
 
 def _batch(config: EstimateConfig) -> torch.Tensor:
@@ -388,17 +578,22 @@ def scale(config: EstimateConfig, world_sizes: Sequence[int]) -> list[ScaleRow]:
 
 
 def write_jsonl(report: StepReport, path: str) -> None:
-    """Write ``report`` as the only line of ``path`` (replacing the file) with the JSONL exporter."""
-    from fsdp_mem_otel.exporters.jsonl import JSONLExporter, index_path
+    """Write ``report`` as the only line of ``path`` (replacing the file), with its side index,
+    as the JSONL exporter writes them; an OSError (naming the file) when that fails."""
+    from fsdp_mem_otel.offline.jsonl_format import encode, index_line, index_path
 
-    for old in (path, index_path(path)):
-        if os.path.exists(old):
-            os.remove(old)
-    exporter = JSONLExporter(path)
-    exporter.export(report)
-    exporter.shutdown(timeout=30.0)
-    if exporter.errors_total:
-        raise OSError(f"writing {path} failed: {exporter.failures!r}")
+    data, line = encode(report)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    for target, payload in ((path, line), (index_path(path), index_line(data, 0, len(line)))):
+        tmp = f"{target}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(payload)
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
 
 def scale_table(rows: Sequence[ScaleRow]) -> str:
@@ -482,23 +677,20 @@ def config_from_args(args: argparse.Namespace) -> EstimateConfig:
 
 def run_estimate(args: argparse.Namespace, config: EstimateConfig) -> int:
     """``fsdp-mem-otel estimate`` without --fit or --compare-options: estimate ``config`` (and at
-    each of --world-sizes), write --out, print the tables; returns 0, or 2 when it fails."""
-    import sys
-
+    each of --world-sizes), print the tables, write --out (checked before the estimate runs);
+    returns 0. A rejected option raises ``UsageError``; a failed write too, after the tables."""
+    from fsdp_mem_otel.cli_errors import UsageError, check_writable
     from fsdp_mem_otel.offline.table import module_table, peak_table
 
-    try:
+    if args.out:
+        check_writable(args.out, "--out")
+    with usage_errors():
         print(f"estimating world size {config.world_size} ...", file=sys.stderr, flush=True)
         report = estimate(config)
         rows = []
         for ws in args.world_sizes or ():
             print(f"estimating world size {ws} ...", file=sys.stderr, flush=True)
             rows += scale(config, [ws])
-        if args.out:
-            write_jsonl(report, args.out)
-    except (ValueError, TypeError, OSError) as exc:
-        print(f"fsdp-mem-otel estimate: {exc}", file=sys.stderr)
-        return 2
     print(f"Estimate for rank 0 of {config.world_size}, step {report.step}:")
     print(peak_table(report))
     print()
@@ -506,8 +698,29 @@ def run_estimate(args: argparse.Namespace, config: EstimateConfig) -> int:
     if rows:
         print("\nBytes per rank at the step peak, by world size:")
         print(scale_table(rows))
-    print(f"\n{CANNOT_SEE}")
+    print(f"\n{CANNOT_SEE}", flush=True)
     if args.out:
+        try:
+            write_jsonl(report, args.out)
+        except OSError as exc:
+            raise UsageError(f"--out {args.out}: writing the estimate failed ({exc.strerror or exc}); the estimate is "
+                             "printed above: give an --out in a folder you can write to", code=1) from exc
         print(f"Written to {args.out}: launch with FSDP_MEM_OTEL_ESTIMATE={args.out}, then "
               f"fsdp-mem-otel compare {args.out} RUN.rank0.jsonl")
     return 0
+
+
+class usage_errors:  # noqa: N801 - used as a context manager, like contextlib's
+    """Turn what ``EstimateConfig`` and ``estimate()`` raise about the user's options (OptionError,
+    ValueError, TypeError) into ``UsageError``s naming the command-line options."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        from fsdp_mem_otel.cli_errors import UsageError
+
+        if isinstance(exc, OptionError):
+            raise UsageError(exc.cli_message()) from exc
+        if isinstance(exc, ValueError | TypeError):
+            raise UsageError(str(exc)) from exc

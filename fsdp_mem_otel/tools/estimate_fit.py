@@ -34,7 +34,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from fsdp_mem_otel.schema import CATEGORIES, TOTAL, StepReport
-from fsdp_mem_otel.tools.estimate import CANNOT_SEE, EstimateConfig, estimate, write_jsonl
+from fsdp_mem_otel.tools.estimate import CANNOT_SEE, EstimateConfig, OptionError, estimate, usage_errors, write_jsonl
 
 #: the dimensions ``fit`` can grow, and their axis in the input's shape
 FIT_DIMS = {"batch": 0, "seq": 1}
@@ -159,10 +159,11 @@ class FitResult:
 class FitError(RuntimeError):
     """An estimate failed during the search; ``value`` is what it was tried at."""
 
-    def __init__(self, message: str, value: int, partial: FitResult) -> None:
+    def __init__(self, message: str, value: int, partial: FitResult, cli_message: str | None = None) -> None:
         super().__init__(message)
         self.value = value
         self.partial = partial
+        self.cli_message = message if cli_message is None else cli_message
 
 
 def _shape_at(config: EstimateConfig, axis: int, value: int) -> tuple[int, ...]:
@@ -210,8 +211,11 @@ def fit(config: EstimateConfig, capacity: int, dim: str = "batch", margin: int |
             report = estimate(replace(config, batch_shape=_shape_at(config, axis, value)))
         except Exception as exc:
             so_far = f" (the largest {dim} found to fit so far: {lo})" if lo is not None else ""
-            raise FitError(f"the estimate at {dim} {value} failed: {type(exc).__name__}: {exc}{so_far}",
-                           value, result("estimate failed", lo, hi)) from exc
+            head = f"the estimate at {dim} {value} failed: "
+            what = str(exc) if isinstance(exc, OptionError) else f"{type(exc).__name__}: {exc}"
+            cli = exc.cli_message() if isinstance(exc, OptionError) else what
+            raise FitError(head + what + so_far, value, result("estimate failed", lo, hi),
+                           head + cli + so_far) from exc
         peak = device_peak(report, config.device).get(TOTAL, 0)
         p = probes[value] = Probe(value, peak, peak <= budget)
         order.append(p)
@@ -443,12 +447,17 @@ def fit_mode_errors(args: argparse.Namespace) -> str | None:
 
 def run_fit_mode(args: argparse.Namespace, config: EstimateConfig) -> int:
     """``estimate --fit`` or ``--compare-options`` for ``config``: the result on stdout, progress
-    on stderr; returns 0, 1 when nothing fits, 2 on a bad argument or a failed estimate."""
+    on stderr; returns 0, 1 when nothing fits; raises ``UsageError`` on a bad argument, a failed
+    estimate or an --out it cannot write (checked before the first estimate)."""
+    from fsdp_mem_otel.cli_errors import UsageError, check_writable
+
+    if args.out:
+        check_writable(args.out, "--out")
     try:
-        return _compare_main(args, config) if args.compare_options else _fit_main(args, config)
-    except (FitError, ValueError, TypeError, OSError) as exc:
-        _err(f"fsdp-mem-otel estimate: {exc}")
-        return 2
+        with usage_errors():
+            return _compare_main(args, config) if args.compare_options else _fit_main(args, config)
+    except FitError as exc:
+        raise UsageError(exc.cli_message) from exc
 
 
 def _err(line: str) -> None:
@@ -458,7 +467,7 @@ def _err(line: str) -> None:
 def _compare_main(args: argparse.Namespace, config: EstimateConfig) -> int:
     rows = compare_options(config, progress=lambda label: _err(f"estimating {label} ..."))
     if args.out:
-        write_jsonl(estimate(config), args.out)
+        _write_out(estimate(config), args.out)
     if args.json:
         print(json.dumps({"world_size": config.world_size, "batch_shape": list(config.input_shape),
                           "rows": [r.to_dict() for r in rows]}, indent=2))
@@ -480,15 +489,15 @@ def _fit_main(args: argparse.Namespace, config: EstimateConfig) -> int:
     max_probes = args.fit_max_probes or DEFAULT_MAX_PROBES
 
     def show(n: int, p: Probe) -> None:
-        _err(f"probe {n}/{max_probes}: {dim} {p.value}: peak {human_bytes(p.peak)} + margin {human_bytes(margin)} "
-             f"{'<=' if p.fits else '>'} {human_bytes(capacity)}: {'fits' if p.fits else 'does not fit'}")
+        _err(f"probe {n}/{max_probes}: {dim} {p.value}: peak {human_bytes(p.peak)} + margin {human_bytes(margin)} = "
+             f"{_compared(p.peak + margin, capacity)}: {'fits' if p.fits else 'does not fit'}")
 
     _err(f"fitting {dim} (dim {FIT_DIMS[dim]} of the batch shape) into {human_bytes(capacity)}, margin "
          f"{human_bytes(margin)} ...")
     result = fit(config, capacity, dim, margin, max_probes, args.fit_max or DEFAULT_MAX_VALUE, progress=show)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else fit_text(result, config), flush=True)
     if args.out and result.report is not None:
-        write_jsonl(result.report, args.out)
-    print(json.dumps(result.to_dict(), indent=2) if args.json else fit_text(result, config))
+        _write_out(result.report, args.out)
     if result.value is None:
         _err(f"fsdp-mem-otel estimate: nothing fits in {human_bytes(capacity)}: at {dim} 1 the estimated step peak "
              f"is {human_bytes(result.next_peak or 0)}, over the {human_bytes(result.budget)} left by the margin "
@@ -497,6 +506,41 @@ def _fit_main(args: argparse.Namespace, config: EstimateConfig) -> int:
     if args.out and not args.json:
         print(f"The estimate at {dim} {result.value} written to {args.out}")
     return 0
+
+
+def _compared(total: int, capacity: int) -> str:
+    """``total <= capacity`` or ``total > capacity`` in the unit of the capacity, with as many
+    decimals as it takes for the two figures to differ where the bytes do (bytes, at worst)."""
+    from fsdp_mem_otel.offline.table import human_bytes
+
+    sign = "<=" if total <= capacity else ">"
+    a, b = human_bytes(total), human_bytes(capacity)
+    if total == capacity or (a != b and (total < capacity) == (_number(a) < _number(b))):
+        return f"{a} {sign} {b}"
+    unit, scale = next(((u, f) for u, f in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+                        if capacity >= f), ("B", 1))
+    for decimals in range(2, 7):
+        x, y = f"{total / scale:.{decimals}f}", f"{capacity / scale:.{decimals}f}"
+        if x != y:
+            return f"{x} {unit} {sign} {y} {unit}"
+    return f"{total:,} B {sign} {capacity:,} B"
+
+
+def _number(text: str) -> float:
+    """The figure of ``human_bytes``' text, in bytes."""
+    value, unit = text.split()
+    return float(value) * {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}.get(unit, 1)
+
+
+def _write_out(report: StepReport, path: str) -> None:
+    """--out, after the result was printed: a failure says so in one line, the result stays on stdout."""
+    from fsdp_mem_otel.cli_errors import UsageError
+
+    try:
+        write_jsonl(report, path)
+    except OSError as exc:
+        raise UsageError(f"--out {path}: writing the estimate failed ({exc.strerror or exc}); the result is printed "
+                         "above: give an --out in a folder you can write to", code=1) from exc
 
 
 def fit_text(result: FitResult, config: EstimateConfig) -> str:

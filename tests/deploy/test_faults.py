@@ -19,7 +19,7 @@ job ``done`` on 2 real ranks in a pod of its own on node a. In one setup, in tur
    the time the rules promise, FsdpMemJobRanksLost for job ``lost``; for job ``done`` no alert
    is ever pending.
 
-What it measured is printed (``pytest -s``): the README's operations section quotes it.
+What it measured is printed (``pytest -s``); docs/operations.md ("What each fault costs") says what it checks.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any
 import pytest
 import yaml
 
-from fsdp_mem_otel.fleet import alerts
+from fsdp_mem_otel.fleet import alerts, rules_command
 from fsdp_mem_otel.fleet import catalog as cat
 from tests.dist import free_ports
 from tests.prometheus_server import PrometheusProcess
@@ -209,7 +209,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     pods = [(job, node) for job, nodes in JOBS.items() for node in nodes]
     ports = {name: free_ports(1) for name in ("central", "agent-a", "agent-b", *(f"{j}-{n}" for j, n in pods))}
     # the shipped rules, with the lost-rank timing shortened by the rules command's own options
-    assert alerts.rules_main(["--out", str(tmp / "rules"), "--k8s-out", str(tmp / "k8s"), "--dashboards",
+    assert rules_command.rules_main(["--out", str(tmp / "rules"), "--k8s-out", str(tmp / "k8s"), "--dashboards",
                               str(tmp / "none"), "--lost-after", f"{LOST_AFTER}s", "--lost-for", f"{LOST_FOR}s",
                               "--lost-window", "10m"]) == 0
     central_conf = yaml.safe_load((REMOTE_WRITE / "central.yml").read_text())

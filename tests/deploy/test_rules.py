@@ -11,7 +11,7 @@ import promql_parser
 import pytest
 import yaml
 
-from fsdp_mem_otel.fleet import alerts
+from fsdp_mem_otel.fleet import alerts, rules_command
 from fsdp_mem_otel.fleet import catalog as cat
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +62,7 @@ def test_every_alert_has_a_firing_and_a_quiet_unit_test() -> None:
 
 
 def test_committed_files_match_the_generator() -> None:
-    for rel, text in alerts.render(dashboards_dir=ROOT / "dashboards").items():
+    for rel, text in rules_command.render(dashboards_dir=ROOT / "dashboards").items():
         path = DEPLOY / rel
         assert path.exists(), f"{path} missing: run `fsdp-mem-otel rules --out deploy/prometheus/`"
         assert path.read_text() == text, f"{path} is stale: run `fsdp-mem-otel rules --out deploy/prometheus/`"
@@ -131,7 +131,7 @@ def test_alerts_have_severity_summary_description_runbook() -> None:
 
 
 def test_thresholds_are_configurable(tmp_path: Path) -> None:
-    rc = alerts.rules_main(["--out", str(tmp_path / "prom"), "--k8s-out", str(tmp_path / "k8s"),
+    rc = rules_command.rules_main(["--out", str(tmp_path / "prom"), "--k8s-out", str(tmp_path / "k8s"),
                             "--dashboards", str(tmp_path / "none"), "--regression-percent", "25",
                             "--regression-offset", "1d", "--capacity-ratio", "0.8", "--stalled-after", "30m"])
     assert rc == 0
@@ -148,7 +148,7 @@ def test_thresholds_are_configurable(tmp_path: Path) -> None:
 
 
 def test_leak_and_forecast_knobs_reach_both_rule_groups(tmp_path: Path) -> None:
-    rc = alerts.rules_main(["--out", str(tmp_path / "prom"), "--k8s-out", str(tmp_path / "k8s"),
+    rc = rules_command.rules_main(["--out", str(tmp_path / "prom"), "--k8s-out", str(tmp_path / "k8s"),
                             "--dashboards", str(tmp_path / "none"), "--leak-min-bytes-per-step", "1048576",
                             "--leak-lookback", "5m", "--leak-for", "30m", "--forecast-window", "2h",
                             "--forecast-hours", "24", "--forecast-for", "1h"])

@@ -326,8 +326,10 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         report_main([str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "r.html")])
     assert e.value.code == 2 and "argument RUN.jsonl" in capsys.readouterr().err
     (tmp_path / "empty.jsonl").write_text("")
-    assert report_main([str(tmp_path / "empty.jsonl"), "-o", str(tmp_path / "r.html"), "-q"]) == 2
-    assert "empty.jsonl: no step reports" in capsys.readouterr().err
+    from fsdp_mem_otel.cli import main as cli_main
+
+    assert cli_main(["report", str(tmp_path / "empty.jsonl"), "-o", str(tmp_path / "r.html"), "-q"]) == 2
+    assert "empty.jsonl (RUN.jsonl): is empty" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         report_main([str(good), "-o", str(tmp_path)])
     assert "argument -o/--output" in capsys.readouterr().err
