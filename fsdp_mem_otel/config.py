@@ -9,10 +9,11 @@ exporter is configured, one dataclass checks it. Standard library only.
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from fsdp_mem_otel import env
 from fsdp_mem_otel.checks import (
@@ -29,17 +30,6 @@ from fsdp_mem_otel.schema import MODES
 #: modules with Prometheus detail series by default (detail=True): the largest peaks first
 DEFAULT_DETAIL_TOP_K = 8
 
-#: TrackerConfig's environment: variable -> field
-_ENV_FIELDS = {
-    env.FSDP_MEM_OTEL_MODE: "mode",
-    env.FSDP_MEM_OTEL_DEEP_EVERY: "deep_every",
-    env.FSDP_MEM_OTEL_MAX_ERRORS: "max_errors",
-    env.FSDP_MEM_OTEL_ENABLED: "enabled",
-    env.FSDP_MEM_OTEL_RESET_PEAKS: "reset_peaks",
-    env.FSDP_MEM_OTEL_ACTIVATIONS: "activations",
-    env.FSDP_MEM_OTEL_DEEP_WHEN_COMPILED: "deep_when_compiled",
-    env.FSDP_MEM_OTEL_LEAK_WINDOW: "leak_window",
-}
 #: What a deep step does on a model with torch.compile'd regions.
 DEEP_WHEN_COMPILED = ("skip", "eager")
 #: The per-rank Prometheus endpoint's first port (a rank serves DEFAULT_BASE_PORT + LOCAL_RANK).
@@ -60,9 +50,9 @@ DEFAULT_JSONL_MODULES_EVERY = 100
 DEFAULT_JSONL_MODULES_CHANGE = 0.05
 _C = TypeVar("_C")
 _TRUE = {"1", "true", "yes", "on"}
-#: bool fields whose default None means "decided at runtime" (``auto`` in the environment)
-_AUTO_BOOLS = {"reset_peaks"}
 _FALSE = {"0", "false", "no", "off"}
+#: ``{rank}`` in a JSONL path is replaced by the rank (``offline.jsonl_format.RANK_PLACEHOLDER``)
+RANK_PLACEHOLDER = "{rank}"
 
 
 @dataclass(frozen=True)
@@ -130,33 +120,10 @@ class TrackerConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> TrackerConfig:
-        """Build from FSDP_MEM_OTEL_* variables; ``overrides`` (from code) win over the env."""
-        return _from_env(cls, _ENV_FIELDS, env, overrides)
-
-
-#: ExportConfig's environment: variable -> field. OpenTelemetry's own OTEL_* variables (endpoint,
-#: headers, service name, resource attributes) are read by the OpenTelemetry SDK: spans are on when
-#: OTEL_EXPORTER_OTLP_ENDPOINT is set.
-EXPORT_ENV_FIELDS = {
-    env.FSDP_MEM_OTEL_PROMETHEUS: "prometheus",
-    env.FSDP_MEM_OTEL_PROMETHEUS_PORT: "prometheus_port",
-    env.FSDP_MEM_OTEL_PROMETHEUS_ADDR: "prometheus_addr",
-    env.FSDP_MEM_OTEL_TLS_CERTFILE: "tls_certfile",
-    env.FSDP_MEM_OTEL_TLS_KEYFILE: "tls_keyfile",
-    env.FSDP_MEM_OTEL_TLS_CLIENT_CAFILE: "tls_client_cafile",
-    env.FSDP_MEM_OTEL_DETAIL: "detail",
-    env.FSDP_MEM_OTEL_DETAIL_TOP_K: "detail_top_k",
-    env.FSDP_MEM_OTEL_ESTIMATE: "estimate",
-    env.FSDP_MEM_OTEL_SIDECAR_DIR: "sidecar_dir",
-    env.FSDP_MEM_OTEL_SIDECAR_INTERVAL: "sidecar_interval_seconds",
-    env.FSDP_MEM_OTEL_JSONL: "jsonl",
-    env.FSDP_MEM_OTEL_JSONL_MODULES_EVERY: "jsonl_modules_every",
-    env.FSDP_MEM_OTEL_JSONL_MAX_BYTES: "jsonl_max_bytes",
-    env.FSDP_MEM_OTEL_JSONL_BACKUP_COUNT: "jsonl_backup_count",
-    env.FSDP_MEM_OTEL_JSONL_COMPRESS: "jsonl_compress",
-    env.FSDP_MEM_OTEL_SPANS_EVERY: "spans_every",
-    env.FSDP_MEM_OTEL_MODULE_SPANS_EVERY: "module_spans_every",
-}
+        """Build from FSDP_MEM_OTEL_* variables (``TRACKER_ENV``); ``overrides`` (from code) win
+        over the env. A value that is not accepted raises ``ValueError`` naming the variable, the
+        value and what is accepted (``read_env`` is the forgiving reader a launched job uses)."""
+        return _from_env(cls, TRACKER_ENV, env, overrides)
 
 
 @dataclass(frozen=True)
@@ -264,7 +231,7 @@ class OTelConfig:
 
 @dataclass(frozen=True)
 class ExportConfig:
-    """Where StepReports go (see EXPORT_ENV_FIELDS for the environment names).
+    """Where StepReports go (see EXPORT_ENV for the environment names).
 
     Attributes:
         prometheus: serve /metrics on ``prometheus_port + LOCAL_RANK``.
@@ -277,10 +244,13 @@ class ExportConfig:
         estimate: JSONL from ``fsdp-mem-otel estimate``, exported beside the measured figures.
         sidecar_dir: write each step's exposition to ``<dir>/rank-<rank>.prom``.
         sidecar_interval_seconds: at most this often (the newest step; 0: every step).
-        jsonl: path of the JSON-lines file; ``{rank}`` is replaced by the rank.
+        jsonl: path of the JSON-lines file; ``{rank}`` is replaced by the rank. A path without it in
+            a job of several ranks gets the rank before its extension, so that ranks never share a
+            file: ``run.jsonl`` -> ``run.rank0.jsonl``, ``run.rank1.jsonl``, ... (``jsonl_path``).
         jsonl_modules_every, jsonl_max_bytes, jsonl_backup_count, jsonl_compress: see ``JSONLConfig``.
         spans_every: OpenTelemetry spans for step 1 and every Nth step (when an OTLP endpoint is set).
         module_spans_every: module spans on step 1, every Nth and aborted steps.
+        spans: False: no spans even where the OTEL_* environment sets an endpoint.
     """
 
     prometheus: bool = True
@@ -301,6 +271,7 @@ class ExportConfig:
     jsonl_compress: bool = True
     spans_every: int = 1
     module_spans_every: int = DEFAULT_MODULE_SPANS_EVERY
+    spans: bool = True
 
     def __post_init__(self) -> None:
         # checked under the names users set (the component configs below check the rest)
@@ -310,6 +281,7 @@ class ExportConfig:
         check_tls(self.tls_certfile, self.tls_keyfile, self.tls_client_cafile, prefix="tls_")
         check_int("spans_every", self.spans_every, 1)
         check_int("module_spans_every", self.module_spans_every, 1)
+        check_bool("spans", self.spans)
         self.prometheus_config()
         if self.jsonl is not None:
             self.jsonl_config(0)
@@ -323,11 +295,18 @@ class ExportConfig:
             estimate=self.estimate, sidecar_interval_seconds=self.sidecar_interval_seconds,
         )
 
-    def jsonl_config(self, rank: int) -> JSONLConfig:
-        """The JSON-lines exporter's part, for ``rank`` (``{rank}`` in the path filled in)."""
+    def jsonl_path(self, rank: int | str, world_size: int = 1) -> str:
+        """The JSON-lines file of ``rank`` in a job of ``world_size`` ranks: ``{rank}`` in ``jsonl``
+        filled in; a path without it, with several ranks, gets ``.rank<rank>`` before its extension
+        (``run.jsonl`` -> ``run.rank0.jsonl``, the names ``fsdp-mem-otel report`` and the docs use).
+        ``rank`` may be text: ``jsonl_path("{0..7}", 8)`` says all of them."""
         if self.jsonl is None:
             raise ValueError("jsonl is not set: no JSON-lines file configured")
-        return JSONLConfig(path=self.jsonl.replace("{rank}", str(rank)), modules_every=self.jsonl_modules_every,
+        return rank_template(self.jsonl, world_size).replace(RANK_PLACEHOLDER, str(rank))
+
+    def jsonl_config(self, rank: int, world_size: int = 1) -> JSONLConfig:
+        """The JSON-lines exporter's part, for ``rank`` of ``world_size`` (its path: ``jsonl_path``)."""
+        return JSONLConfig(path=self.jsonl_path(rank, world_size), modules_every=self.jsonl_modules_every,
                            max_bytes=self.jsonl_max_bytes, backup_count=self.jsonl_backup_count,
                            compress=self.jsonl_compress)
 
@@ -337,19 +316,224 @@ class ExportConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> ExportConfig:
-        """Build from FSDP_MEM_OTEL_* exporter variables; ``overrides`` (from code) win."""
-        return _from_env(cls, EXPORT_ENV_FIELDS, env, overrides)
+        """Build from FSDP_MEM_OTEL_* exporter variables (``EXPORT_ENV``); ``overrides`` (from
+        code) win. A value that is not accepted raises ``ValueError`` naming the variable, the
+        value and what is accepted (``read_env`` is the forgiving reader a launched job uses)."""
+        return _from_env(cls, EXPORT_ENV, env, overrides)
 
 
-def _from_env(cls: type[_C], mapping: Mapping[str, str], env: Mapping[str, str] | None,
-              overrides: Mapping[str, object]) -> _C:
-    env = os.environ if env is None else env
-    values: dict[str, object] = {}
-    for var, name in mapping.items():
-        raw = env.get(var)
-        if raw is None or raw == "":
+def rank_template(path: str, world_size: int) -> str:
+    """``path`` with a ``{rank}`` where each rank's file differs: as it is if it has one or the job
+    has one rank, else ``.rank{rank}`` before its extension (``run.jsonl`` -> ``run.rank{rank}.jsonl``)."""
+    if RANK_PLACEHOLDER in path or world_size <= 1:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.rank{RANK_PLACEHOLDER}{ext}"
+
+
+# -- the environment -------------------------------------------------------------------------------
+# Each variable is read by one ``EnvVar``: what it sets, what it accepts (said in every message
+# about it) and what a job does when its value is not accepted. Two readers share them:
+# ``TrackerConfig.from_env`` / ``ExportConfig.from_env`` (the direct API) raise ``ValueError`` for
+# the first bad value; ``read_env`` (what ``fsdp_mem_otel.run``, its bootstrap and the framework
+# callbacks use) never raises: a bad value switches off only the part it configures (``off``) or,
+# where that part is the whole tracker's way of measuring, the field keeps its default.
+
+#: what a bad value switches off (``EnvVar.off``), as messages say it
+TRACKING_OFF = "tracking off, training goes on untracked"
+ENDPOINT_OFF = "Prometheus endpoint off, the rest of tracking goes on"
+SIDECAR_OFF = "sidecar file off, the rest of tracking goes on"
+JSONL_OFF = "JSONL off, the rest of tracking goes on"
+SPANS_OFF = "spans off, the rest of tracking goes on"
+_SWITCH = "1/0, true/false, yes/no, on/off"
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """How one environment variable is read.
+
+    Attributes:
+        field: the config field it sets.
+        accepted: what it accepts, in words (every message about a bad value says it).
+        parse: text -> value; raises ``ValueError`` for a value that is not accepted.
+        off: what a bad value switches off in a launched job (``read_env``; one of ``TRACKING_OFF``,
+            ``ENDPOINT_OFF``, ``SIDECAR_OFF``, ``JSONL_OFF``, ``SPANS_OFF``); None: the field keeps
+            its default.
+    """
+
+    field: str
+    accepted: str
+    parse: Callable[[str], object]
+    off: str | None = None
+
+
+@dataclass(frozen=True)
+class BadSetting:
+    """An environment variable whose value is not accepted (or that is missing: ``raw`` None).
+    ``str()`` is what the direct API raises; ``line()`` what a launched job logs, once."""
+
+    var: str
+    raw: str | None
+    accepted: str
+    outcome: str  # what a launched job does instead
+
+    def __str__(self) -> str:
+        if self.raw is None:
+            return f"{self.var} is not set ({self.accepted})"
+        return f"{self.var}={self.raw!r} is not accepted ({self.accepted})"
+
+    def line(self) -> str:
+        return f"fsdp_mem_otel: {self}: {self.outcome}"
+
+
+class EnvSettings(NamedTuple):
+    """What ``read_env`` found: the configs a launched job runs with, whether it is quiet
+    (``FSDP_MEM_OTEL_QUIET``), and each variable whose value was not accepted."""
+
+    tracker: TrackerConfig
+    export: ExportConfig
+    quiet: bool
+    bad: tuple[BadSetting, ...]
+
+
+def _switch(auto: bool = False) -> Callable[[str], object]:
+    def parse(raw: str) -> object:
+        low = raw.strip().lower()
+        if auto and low == "auto":
+            return None
+        if low in _TRUE or low in _FALSE:
+            return low in _TRUE
+        raise ValueError(raw)
+    return parse
+
+
+def _word(*choices: str) -> Callable[[str], object]:
+    def parse(raw: str) -> object:
+        low = raw.strip().lower()
+        if low not in choices:
+            raise ValueError(raw)
+        return low
+    return parse
+
+
+def _whole(minimum: int, maximum: int | None = None) -> Callable[[str], object]:
+    def parse(raw: str) -> object:
+        return check_int("value", int(raw.strip()), minimum, maximum)
+    return parse
+
+
+def _seconds(raw: str) -> object:
+    value = float(raw.strip())
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(raw)
+    return value
+
+
+def _text(raw: str) -> object:
+    return raw.strip()
+
+
+def _file(raw: str) -> object:
+    path = raw.strip()
+    if not os.path.isfile(path):
+        raise ValueError(raw)
+    return path
+
+
+#: TrackerConfig's environment: variable -> how it is read
+TRACKER_ENV = {
+    env.FSDP_MEM_OTEL_MODE: EnvVar("mode", " or ".join(MODES), _word(*MODES)),
+    env.FSDP_MEM_OTEL_DEEP_EVERY: EnvVar("deep_every", "a whole number of steps >= 0; 0: never", _whole(0)),
+    env.FSDP_MEM_OTEL_MAX_ERRORS: EnvVar("max_errors", "a whole number >= 0; 0: never detach", _whole(0)),
+    env.FSDP_MEM_OTEL_ENABLED: EnvVar("enabled", _SWITCH, _switch(), TRACKING_OFF),
+    env.FSDP_MEM_OTEL_RESET_PEAKS: EnvVar("reset_peaks", _SWITCH + " or auto", _switch(auto=True)),
+    env.FSDP_MEM_OTEL_ACTIVATIONS: EnvVar("activations", _SWITCH, _switch()),
+    env.FSDP_MEM_OTEL_DEEP_WHEN_COMPILED: EnvVar("deep_when_compiled", " or ".join(DEEP_WHEN_COMPILED),
+                                                 _word(*DEEP_WHEN_COMPILED)),
+    env.FSDP_MEM_OTEL_LEAK_WINDOW: EnvVar("leak_window", "a whole number of steps >= 10", _whole(10)),
+}
+_STEPS = "a whole number of steps >= 1"
+#: ExportConfig's environment: variable -> how it is read. OpenTelemetry's own OTEL_* variables
+#: (endpoint, headers, service name, resource attributes) are read by the OpenTelemetry SDK: spans
+#: are on when OTEL_EXPORTER_OTLP_ENDPOINT is set.
+EXPORT_ENV = {
+    env.FSDP_MEM_OTEL_PROMETHEUS: EnvVar("prometheus", _SWITCH, _switch(), ENDPOINT_OFF),
+    env.FSDP_MEM_OTEL_PROMETHEUS_PORT: EnvVar(
+        "prometheus_port", "a port in 1..65535, the first rank's; each rank serves it + LOCAL_RANK",
+        _whole(1, 65535), ENDPOINT_OFF),
+    env.FSDP_MEM_OTEL_PROMETHEUS_ADDR: EnvVar("prometheus_addr", "an address to listen on, e.g. 0.0.0.0", _text,
+                                              ENDPOINT_OFF),
+    env.FSDP_MEM_OTEL_TLS_CERTFILE: EnvVar("tls_certfile", "the path of an existing PEM file", _file, ENDPOINT_OFF),
+    env.FSDP_MEM_OTEL_TLS_KEYFILE: EnvVar("tls_keyfile", "the path of an existing PEM file", _file, ENDPOINT_OFF),
+    env.FSDP_MEM_OTEL_TLS_CLIENT_CAFILE: EnvVar("tls_client_cafile", "the path of an existing PEM file", _file,
+                                                ENDPOINT_OFF),
+    env.FSDP_MEM_OTEL_DETAIL: EnvVar("detail", _SWITCH, _switch()),
+    env.FSDP_MEM_OTEL_DETAIL_TOP_K: EnvVar("detail_top_k", "a whole number of modules >= 1", _whole(1)),
+    env.FSDP_MEM_OTEL_ESTIMATE: EnvVar("estimate", "a file fsdp-mem-otel estimate wrote", _text),
+    env.FSDP_MEM_OTEL_SIDECAR_DIR: EnvVar("sidecar_dir", "a folder", _text, SIDECAR_OFF),
+    env.FSDP_MEM_OTEL_SIDECAR_INTERVAL: EnvVar("sidecar_interval_seconds",
+                                               "a number of seconds >= 0, e.g. 15; 0: every step", _seconds,
+                                               SIDECAR_OFF),
+    env.FSDP_MEM_OTEL_JSONL: EnvVar("jsonl", "a file path; {rank} is filled in", _text, JSONL_OFF),
+    env.FSDP_MEM_OTEL_JSONL_MODULES_EVERY: EnvVar("jsonl_modules_every", _STEPS, _whole(1), JSONL_OFF),
+    env.FSDP_MEM_OTEL_JSONL_MAX_BYTES: EnvVar(
+        "jsonl_max_bytes", "a whole number of bytes, e.g. 1073741824; 0: never rotate", _whole(0), JSONL_OFF),
+    env.FSDP_MEM_OTEL_JSONL_BACKUP_COUNT: EnvVar("jsonl_backup_count", "a whole number of files >= 0", _whole(0),
+                                                 JSONL_OFF),
+    env.FSDP_MEM_OTEL_JSONL_COMPRESS: EnvVar("jsonl_compress", _SWITCH, _switch(), JSONL_OFF),
+    env.FSDP_MEM_OTEL_SPANS_EVERY: EnvVar("spans_every", _STEPS, _whole(1), SPANS_OFF),
+    env.FSDP_MEM_OTEL_MODULE_SPANS_EVERY: EnvVar("module_spans_every", _STEPS, _whole(1), SPANS_OFF),
+}
+_QUIET = EnvVar("quiet", _SWITCH, _switch())  # read_env only: what the launcher says
+_TLS = (env.FSDP_MEM_OTEL_TLS_CERTFILE, env.FSDP_MEM_OTEL_TLS_KEYFILE, env.FSDP_MEM_OTEL_TLS_CLIENT_CAFILE)
+
+
+def _default_text(value: object) -> str:
+    if value is None:
+        return "auto"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def _read(cls: type, table: Mapping[str, EnvVar], environ: Mapping[str, str]) -> tuple[dict[str, Any],
+                                                                                     list[BadSetting]]:
+    """The fields ``table``'s variables set in ``environ`` (unset or blank: not set), and those whose
+    value is not accepted (left out of the fields)."""
+    values: dict[str, Any] = {}
+    bad: list[BadSetting] = []
+    for var, spec in table.items():
+        raw = environ.get(var)
+        if raw is None or not raw.strip():
             continue
-        values[name] = _parse(cls, var, name, raw)
+        try:
+            values[spec.field] = spec.parse(raw)
+        except (TypeError, ValueError):
+            outcome = spec.off or f"using the default ({_default_text(getattr(cls, spec.field))})"
+            bad.append(BadSetting(var, raw, spec.accepted, outcome))
+    return values, bad
+
+
+def _tls_pairs(values: Mapping[str, object]) -> list[BadSetting]:
+    """TLS comes as certificate and key (both or neither), a client CA only with them."""
+    cert, key, ca = _TLS
+    have = {name: values.get(EXPORT_ENV[name].field) is not None for name in _TLS}
+    if have[cert] and not have[key]:
+        return [BadSetting(key, None, f"{cert} needs it: set both for HTTPS, or neither", ENDPOINT_OFF)]
+    if have[key] and not have[cert]:
+        return [BadSetting(cert, None, f"{key} needs it: set both for HTTPS, or neither", ENDPOINT_OFF)]
+    if have[ca] and not have[cert]:
+        return [BadSetting(cert, None, f"{ca} (mutual TLS) needs it and {key}", ENDPOINT_OFF)]
+    return []
+
+
+def _from_env(cls: type[_C], table: Mapping[str, EnvVar], environ: Mapping[str, str] | None,
+              overrides: Mapping[str, object]) -> _C:
+    values, bad = _read(cls, table, os.environ if environ is None else environ)
+    if table is EXPORT_ENV and not bad:
+        bad = _tls_pairs(values)
+    if bad:
+        raise ValueError(str(bad[0]))
     known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
     for name, value in overrides.items():
         if name not in known:
@@ -358,26 +542,39 @@ def _from_env(cls: type[_C], mapping: Mapping[str, str], env: Mapping[str, str] 
     return cls(**values)
 
 
-def _parse(cls: type, var: str, name: str, raw: str) -> object:
-    default = getattr(cls, name)
-    if name in _AUTO_BOOLS and raw.strip().lower() == "auto":
-        return None
-    if isinstance(default, bool) or name in _AUTO_BOOLS:
-        low = raw.strip().lower()
-        if low in _TRUE:
-            return True
-        if low in _FALSE:
-            return False
-        auto = "/auto" if name in _AUTO_BOOLS else ""
-        raise ValueError(f"{var} must be one of 1/0/true/false/yes/no/on/off{auto}; got {raw!r}")
-    if isinstance(default, int):
+def read_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
+    """The configuration the environment asks for, as a launched job runs with it; never raises
+    for a value. A variable whose value is not accepted (case aside: ``Deep``, ``LIGHT``,
+    ``Auto``, ``True`` are) switches off only what it configures: a bad ``FSDP_MEM_OTEL_JSONL_*``
+    the JSONL file, ``FSDP_MEM_OTEL_SIDECAR_*`` the sidecar file, ``FSDP_MEM_OTEL_PROMETHEUS*``
+    or ``FSDP_MEM_OTEL_TLS_*`` the endpoint, ``FSDP_MEM_OTEL_*SPANS_EVERY`` the spans,
+    ``FSDP_MEM_OTEL_ENABLED`` the tracking; any other (``MODE``, ``DEEP_EVERY``, ``DETAIL``, ...)
+    keeps its default. Each is in ``bad``, for the caller to say once."""
+    environ = os.environ if environ is None else environ
+    tracker_values, bad = _read(TrackerConfig, TRACKER_ENV, environ)
+    if any(b.outcome == TRACKING_OFF for b in bad):
+        tracker_values["enabled"] = False
+    export_values, export_bad = _read(ExportConfig, EXPORT_ENV, environ)
+    export_bad += _tls_pairs(export_values)
+    offs = {b.outcome for b in export_bad}
+    if ENDPOINT_OFF in offs:
+        export_values["prometheus"] = False
+        for name in _TLS:
+            export_values.pop(EXPORT_ENV[name].field, None)
+    if SIDECAR_OFF in offs:
+        export_values["sidecar_dir"] = None
+    if JSONL_OFF in offs:
+        export_values["jsonl"] = None
+    if SPANS_OFF in offs:
+        export_values["spans"] = False
+    raw_quiet = environ.get(env.FSDP_MEM_OTEL_QUIET, "")
+    quiet, quiet_bad = False, []
+    if raw_quiet.strip():
         try:
-            return int(raw)
+            quiet = bool(_QUIET.parse(raw_quiet))
         except ValueError:
-            raise ValueError(f"{var} must be an integer; got {raw!r}") from None
-    if isinstance(default, float):
-        try:
-            return float(raw)
-        except ValueError:
-            raise ValueError(f"{var} must be a number; got {raw!r}") from None
-    return raw.strip()
+            quiet_bad.append(BadSetting(env.FSDP_MEM_OTEL_QUIET, raw_quiet, _QUIET.accepted, "not quiet"))
+    tracker = TrackerConfig(**tracker_values)
+    if not tracker.enabled:  # nothing is exported: what the exporters' variables say does not matter
+        export_bad = []
+    return EnvSettings(tracker, ExportConfig(**export_values), quiet, tuple(bad + export_bad + quiet_bad))

@@ -2,8 +2,15 @@
 
 The package reads the environment only through these names (as opentelemetry-python's
 ``environment_variables`` module lists its own). How each is parsed is documented where it is
-read: ``TrackerConfig.from_env`` and ``ExportConfig.from_env`` (``config.py``), ``Identity.from_env``
-(``identity.py``), ``default_span_exporter`` (``exporters/otel.py``).
+read: ``TrackerConfig.from_env`` and ``ExportConfig.from_env`` (``config.py``, whose ``TRACKER_ENV``
+and ``EXPORT_ENV`` say what each accepts), ``Identity.from_env`` (``identity.py``),
+``default_span_exporter`` (``exporters/otel.py``). Words are read case-insensitively (``Deep``,
+``Auto``, ``True``).
+
+A value that is not accepted: the direct API (``from_env``) raises ``ValueError`` naming the
+variable; a launched job (``fsdp_mem_otel.run``, its bootstrap, the framework callbacks:
+``config.read_env``) says so in one line on rank 0 and switches off only what the variable
+configures (``FSDP_MEM_OTEL_ENABLED``: the tracking; the others keep their defaults).
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ FSDP_MEM_OTEL_DEEP_EVERY = "FSDP_MEM_OTEL_DEEP_EVERY"
 FSDP_MEM_OTEL_MAX_ERRORS = "FSDP_MEM_OTEL_MAX_ERRORS"
 """Internal failures after which the tracker detaches itself (default 100; 0 never)."""
 FSDP_MEM_OTEL_ENABLED = "FSDP_MEM_OTEL_ENABLED"
-"""``0``/``false``: the tracker does nothing and opens no exporter."""
+"""``0``/``false``: the tracker does nothing and opens no exporter (a value not accepted: off too, said
+once under the launcher)."""
 FSDP_MEM_OTEL_RESET_PEAKS = "FSDP_MEM_OTEL_RESET_PEAKS"
 """``0``: never reset the CUDA allocator's peak counters (light mode then misses op temporaries);
 ``1``: reset them at every window edge and step end; ``auto`` or unset (default): ``1`` where CUDA
@@ -31,13 +39,19 @@ FSDP_MEM_OTEL_AUTO = "FSDP_MEM_OTEL_AUTO"
 """``1``: with ``PYTHONPATH`` at ``fsdp_mem_otel/bootstrap``, every Python process attaches the
 tracker to its FSDP root automatically, as ``python -m fsdp_mem_otel.run`` does (read by
 ``fsdp_mem_otel/bootstrap/sitecustomize.py``, which imports nothing else of the package)."""
+FSDP_MEM_OTEL_QUIET = "FSDP_MEM_OTEL_QUIET"
+"""``1``: ``fsdp_mem_otel.run`` (and its bootstrap) does not say what it tracks and where at the
+first forward, nor how many step reports went where at exit (rank 0 says both otherwise). A
+setting that is not accepted, a port in use or a JSONL file that cannot be written is still said,
+in one line."""
 FSDP_MEM_OTEL_LEAK_WINDOW = "FSDP_MEM_OTEL_LEAK_WINDOW"
 """Step ends the leak detector looks back at (default 30, at least 10; a category that never fell
 over them and rose at 5 or more, and at half or more, is reported as growing)."""
 
 # -- where reports go (ExportConfig) ---------------------------------------------------------------
 FSDP_MEM_OTEL_PROMETHEUS = "FSDP_MEM_OTEL_PROMETHEUS"
-"""Per-rank /metrics endpoint on (default) or off."""
+"""Per-rank /metrics endpoint on (default) or off. Not accepted, or a bad ``PROMETHEUS_*`` /
+``TLS_*`` setting, in a launched job: the endpoint is off."""
 FSDP_MEM_OTEL_PROMETHEUS_PORT = "FSDP_MEM_OTEL_PROMETHEUS_PORT"
 """Base port (default 9400); a rank serves base + LOCAL_RANK."""
 FSDP_MEM_OTEL_PROMETHEUS_ADDR = "FSDP_MEM_OTEL_PROMETHEUS_ADDR"
@@ -57,9 +71,12 @@ FSDP_MEM_OTEL_ESTIMATE = "FSDP_MEM_OTEL_ESTIMATE"
 FSDP_MEM_OTEL_SIDECAR_DIR = "FSDP_MEM_OTEL_SIDECAR_DIR"
 """Write ``rank-<rank>.prom`` there for ``fsdp-mem-otel serve``."""
 FSDP_MEM_OTEL_SIDECAR_INTERVAL = "FSDP_MEM_OTEL_SIDECAR_INTERVAL"
-"""Rewrite the sidecar file at most every this many seconds (default 5; 0: every step)."""
+"""Rewrite the sidecar file at most every this many seconds (default 15; 0: every step)."""
 FSDP_MEM_OTEL_JSONL = "FSDP_MEM_OTEL_JSONL"
-"""Append StepReports as JSON lines to this path (``{rank}`` is filled in)."""
+"""Append StepReports as JSON lines to this path (``{rank}`` is filled in). Without ``{rank}``, in a
+job of several ranks, each rank writes its own file, ``.rank<N>`` before the extension
+(``run.jsonl`` -> ``run.rank0.jsonl``, ``run.rank1.jsonl``). A bad ``JSONL_*`` setting in a launched
+job, or a path that cannot be written: JSONL off (the rest goes on)."""
 FSDP_MEM_OTEL_JSONL_MODULES_EVERY = "FSDP_MEM_OTEL_JSONL_MODULES_EVERY"
 """Module snapshots in the JSONL line of step 1, every Nth, deep, aborted and changed steps (default 100)."""
 FSDP_MEM_OTEL_JSONL_MAX_BYTES = "FSDP_MEM_OTEL_JSONL_MAX_BYTES"

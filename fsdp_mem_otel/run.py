@@ -14,6 +14,14 @@ forward, configured from the environment like ``FSDPMemoryTracker.from_env`` (ev
 parameters, closes one step per optimizer step, and closes at exit. ``FSDP_MEM_OTEL_ENABLED=0``
 runs the script with nothing installed.
 
+It never stops the training, and says what it does, on rank 0, on stderr: one line when the
+tracker attaches (the root, the mode, every exporter and where), one at exit (how many step
+reports went where); ``FSDP_MEM_OTEL_QUIET=1`` silences both. Each mistake is one line and
+switches off only its part: a variable whose value is not accepted (said once, on rank 0:
+``config.read_env`` says what each part is), a Prometheus port in use or a JSONL file that cannot
+be written (said by the rank that hits it), a JSONL path without ``{rank}`` on several ranks
+(each rank gets its own file, ``run.rank0.jsonl``; said on rank 0).
+
 Nothing of torch is imported here: the attachment is installed right after the script (or the
 libraries it uses) imports ``torch.distributed.fsdp``, so a script that sets torch's
 environment variables before importing torch keeps working as without the launcher.
@@ -63,16 +71,21 @@ def bootstrap_dir() -> str:
 def enable(explicit: bool = True) -> bool:
     """Install automatic attachment in this process, now if ``torch.distributed.fsdp`` is imported
     already, else as soon as it is. ``explicit``: launched by this module (else by the environment
-    bootstrap). Returns False when tracking is switched off (``FSDP_MEM_OTEL_ENABLED=0``) or the
-    environment's configuration is invalid (logged; the job runs untracked). Safe to call twice."""
+    bootstrap). Returns False when tracking is switched off (``FSDP_MEM_OTEL_ENABLED=0``); nothing
+    else here stops it: a setting that is not accepted is said (once, on rank 0) when the tracker
+    attaches, in a process that wraps a model with FSDP, and switches off only its part. Safe to
+    call twice."""
     global _enabled_explicit
-    from fsdp_mem_otel.config import TrackerConfig
+    from fsdp_mem_otel import env
+    from fsdp_mem_otel.config import read_env
 
     try:
-        if not TrackerConfig.from_env().enabled:
-            return False
-    except (TypeError, ValueError) as exc:
-        logger.error("fsdp_mem_otel.run: memory tracking is off for this run: %s", exc)
+        settings = read_env()
+    except Exception as exc:  # noqa: BLE001 - never stop the job (read_env raises for no value)
+        logger.error("fsdp_mem_otel.run: memory tracking is off for this run: the environment could not be read: %r",
+                     exc)
+        return False
+    if not settings.tracker.enabled and not any(b.var == env.FSDP_MEM_OTEL_ENABLED for b in settings.bad):
         return False
     if _enabled_explicit is not None:
         _enabled_explicit = _enabled_explicit or explicit

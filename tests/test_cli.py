@@ -100,7 +100,7 @@ def scrape_sidecar(directory: Path) -> str:
 
 
 def test_demo_launched_like_a_job_exports_the_estimate(tmp_path: Path) -> None:
-    """The README's workflow on the demo: estimate, launch with FSDP_MEM_OTEL_ESTIMATE (and the
+    """The workflow of docs/estimate.md, on the demo: estimate, launch with FSDP_MEM_OTEL_ESTIMATE (and the
     rest of the job's environment), compare. The estimate gauges come back in a real scrape."""
     import json
 
@@ -168,7 +168,7 @@ def test_demo_rejects_a_bad_environment_before_launching() -> None:
     out = subprocess.run([sys.executable, "-m", "fsdp_mem_otel.cli", "demo", "--steps", "1"],
                          capture_output=True, text=True, env=job_env(FSDP_MEM_OTEL_DEEP_EVERY="often"), timeout=60)
     assert out.returncode == 2 and "launching" not in out.stdout
-    assert "FSDP_MEM_OTEL_DEEP_EVERY must be an integer; got 'often'" in out.stderr
+    assert "FSDP_MEM_OTEL_DEEP_EVERY='often' is not accepted (a whole number of steps >= 0; 0: never)" in out.stderr
 
 
 @dataclass(frozen=True)

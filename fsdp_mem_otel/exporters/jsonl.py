@@ -178,6 +178,13 @@ class JSONLExporter:
         """Reports dropped because the writer fell too far behind."""
         return self._worker.dropped if self._worker is not None else 0
 
+    def open(self) -> None:
+        """Open the file now (making its folder), so that a path this process cannot write fails
+        here, with the ``OSError``, rather than at the first report. A path with ``{rank}`` is
+        opened at the first report (the rank comes with it)."""
+        if self.path is not None and self._file is None and not self._closed:
+            self._open(self.path)
+
     # -- Exporter protocol -------------------------------------------------------------------
     def export(self, report: StepReport) -> None:
         """Queue ``report`` for the writer; returns at once."""

@@ -18,6 +18,7 @@ Two ways out, usable together:
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -32,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.openmetrics.exposition import UNDERSCORES, escape_label_name, escape_metric_name
 from prometheus_client.utils import floatToGoString
 
-from fsdp_mem_otel import __version__
+from fsdp_mem_otel import __version__, env
 from fsdp_mem_otel.checks import check_int
 from fsdp_mem_otel.config import DEFAULT_BASE_PORT, DEFAULT_SIDECAR_INTERVAL, PrometheusConfig
 from fsdp_mem_otel.exporters.peaks import peaks
@@ -392,6 +393,8 @@ class PrometheusExporter:
             serve that registry.
         http: serve ``/metrics`` over HTTP (default True); False for sidecar-only export.
         config: all of the above as one ``PrometheusConfig`` (then the keywords are not used).
+        env_names: the configuration came from the environment (``build_exporters``): messages
+            name its variables (``FSDP_MEM_OTEL_PROMETHEUS_PORT``) rather than the keywords.
         heartbeat_seconds: between steps, refresh the sidecar file's modification time this often,
             so the sidecar marks a rank stale only when its process is gone (a rank stuck in a
             collective stays fresh; its last-step timestamp shows it is stuck).
@@ -401,7 +404,8 @@ class PrometheusExporter:
 
     Never raises into training for I/O: a port already taken, an unwritable directory or a
     failed write is logged once, counted in ``fsdp_mem_errors_total{component="exporter"}`` and
-    retried on the next step (writes) or given up (the endpoint).
+    retried on the next step (writes) or given up (the endpoint: a port in use, an address or TLS
+    file that cannot be served is said in one line, naming the port and how to fix it).
     """
 
     def __init__(
@@ -423,6 +427,7 @@ class PrometheusExporter:
         heartbeat_seconds: float = 10.0,
         sidecar_interval_seconds: float = DEFAULT_SIDECAR_INTERVAL,
         config: PrometheusConfig | None = None,
+        env_names: bool = False,
     ) -> None:
         if identity is None:
             identity = Identity.from_env()
@@ -439,6 +444,7 @@ class PrometheusExporter:
             raise TypeError(f"registry must be a prometheus_client CollectorRegistry; got {type(registry).__name__}")
         self.config = config
         self.identity = identity
+        self._env_names = env_names
         self.failures = FailureLog(logger, "Prometheus exporter")
         self.collector = StepReportCollector(identity, detail=config.detail, detail_top_k=config.detail_top_k,
                                              failures=self.failures)
@@ -535,13 +541,37 @@ class PrometheusExporter:
             server = MetricsServer(self._render_registry, self.addr, port, ssl_context=ctx,
                                    banner=b"fsdp-mem-otel: metrics at /metrics\n")
             server.start()
-        except Exception as exc:  # noqa: BLE001 - e.g. port taken: training goes on without the endpoint
+        except OSError as exc:  # a port in use, an address or TLS file that cannot be served: one line
+            self.failures.count()
+            logger.error("%s", self._endpoint_failure(port, exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - training goes on without the endpoint
             self.failures.failed("the /metrics endpoint", exc,
                                  f"cannot serve Prometheus metrics on {self.addr}:{port} (no endpoint this run)")
             return
         self._server = server
         self.port = server.port
         logger.info("fsdp_mem_otel: serving Prometheus metrics on %s:%d/metrics", self.addr, self.port)
+
+    def _endpoint_failure(self, port: int, exc: OSError) -> str:
+        """The one line that says why the endpoint is off on this rank, and what to change."""
+        config, local = self.config, self.identity.local_rank
+        port_var, on_var = env.FSDP_MEM_OTEL_PROMETHEUS_PORT, env.FSDP_MEM_OTEL_PROMETHEUS
+        if config.port is not None:
+            where = f"on {self.addr}"
+        elif self._env_names:
+            where = f"({port_var}={config.base_port} + LOCAL_RANK {local})"
+        else:
+            where = f"(base_port {config.base_port} + local rank {local})"
+        if exc.errno == errno.EADDRINUSE:
+            fix = (f"set {port_var} to a free base port or {on_var}=0" if self._env_names and config.port is None
+                   else "pass a free port (0: any free one) or http=False")
+            return (f"fsdp_mem_otel: Prometheus port {port} {where} is in use: metrics endpoint off for this rank; "
+                    f"{fix}")
+        fix = (f"check {env.FSDP_MEM_OTEL_PROMETHEUS_ADDR} and the FSDP_MEM_OTEL_TLS_* files, or set {on_var}=0"
+               if self._env_names else "check addr and the TLS files, or pass http=False")
+        return (f"fsdp_mem_otel: Prometheus endpoint {self.addr}:{port} {where} cannot be served ({exc}): metrics "
+                f"endpoint off for this rank; {fix}")
 
     def _render_registry(self) -> bytes:
         return generate_latest(self.registry)

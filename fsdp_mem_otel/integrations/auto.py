@@ -30,6 +30,14 @@ How a model is found, measured and closed, without the training code's help:
 - **The end**: at interpreter exit the tracker closes (a last report if the root ran forwards
   since the last one, then its exporters flush); on SIGTERM the exporters flush themselves
   (``exporters/worker.py``), as for every tracker.
+- **What it says**, on rank 0, each once, on stderr: when the tracker attaches, what it tracks
+  and where every report goes (``fsdp_mem_otel: tracking Net (FSDP2, 3 modules) in light mode;
+  Prometheus http://0.0.0.0:9400/metrics (base port, + LOCAL_RANK per rank), JSONL
+  /tmp/run.rank{0..1}.jsonl, spans off``), and at exit how many step reports went where
+  (``fsdp_mem_otel: 12 step reports on rank 0: Prometheus :9400, JSONL /tmp/run.rank0.jsonl; 0
+  tracker errors``); ``FSDP_MEM_OTEL_QUIET=1`` silences both. A setting the environment gets
+  wrong, a port in use, a JSONL file that cannot be written: one line each, that part off, the
+  rest on (``_session.py``, ``config.read_env``, ``exporters.build_exporters``).
 
 Never harm: every hook here catches what it raises; each unusual case (no FSDP model, a second
 root, several optimizers, a root never stepped, a tracker the training attached itself, a tracker
@@ -53,7 +61,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fsdp_mem_otel.integrations._session import TrackingSession
+from fsdp_mem_otel.integrations._session import TrackingSession, say
 
 logger = logging.getLogger(__name__)
 
@@ -287,22 +295,26 @@ class AutoAttach:
             return False
         if root is not None:
             self.note(SEVERAL_ROOTS, "a second FSDP root (%s) ran its first forward; only the first one (%s) is "
-                      "tracked", type(module).__name__, root.name)
+                      "tracked", model_name(module), root.name)
             return False
         from fsdp_mem_otel.training.tracker import attached_trackers
 
         own = [t for t in attached_trackers() if _overlap(t.model, module)]
         if own:
             self.note(OWN_TRACKER, "the training attached its own tracker to the FSDP root (%s): left to it",
-                      type(module).__name__)
+                      model_name(module))
             return False
         root = _Root(self, module)
+        if root.session.switched_off:  # FSDP_MEM_OTEL_ENABLED not accepted: said when it was read
+            root.session.close()
+            return False
         if not root.session.active:
             root.session.close()  # the exporters it may have opened
             self.note(ATTACH_FAILED, "the tracker could not attach to the FSDP root (%s): %s; training goes on "
-                      "untracked", type(module).__name__, root.session.failed or "see the log above")
+                      "untracked", model_name(module), root.session.failed or "see the log above")
             return False
         self._root = weakref.ref(root)
+        root.say(lambda: root.session.announcement(root.name))
         if not self._exit_registered:  # after the exporters' own exit handler: runs before it
             self._exit_registered = True
             atexit.register(self._at_exit)
@@ -350,7 +362,7 @@ class _Root:
 
     def __init__(self, auto: AutoAttach, model: nn.Module) -> None:
         self.auto = auto  # the process singleton; the root model is held by the tracker alone
-        self.name = type(model).__name__
+        self.name = model_name(model)
         self.session = TrackingSession(None, None, None)
         self._params = {id(p) for p in model.parameters()}
         self._matches: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
@@ -453,10 +465,36 @@ class _Root:
         if self._hook is not None:
             self._hook.remove()
         self.session.close()
+        if final:
+            self.say(self.session.summary)
+
+    def say(self, line: Callable[[], str]) -> None:
+        """Print ``line()`` where the session speaks (rank 0, not quiet); never raises."""
+        try:
+            if self.session.speaks:
+                say(line())
+        except Exception as exc:  # noqa: BLE001
+            self.auto.failed("saying what is tracked", exc)
 
     def holds(self, module: nn.Module) -> bool:
         tracker = self.session.tracker
         return tracker is not None and not self.closed and _overlap(tracker.model, module)
+
+
+def model_name(module: nn.Module) -> str:
+    """The class the training defined for ``module``: FSDP2 swaps a module's class for a subclass
+    ``FSDP<Class>`` (the class it defined comes after ``FSDPModule`` in its bases), FSDP1 wraps
+    the module (``.module``)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    cls = type(module)
+    if isinstance(module, FullyShardedDataParallel):
+        return type(module.module).__name__
+    if isinstance(module, FSDPModule):
+        own = [b for b in cls.__bases__ if not issubclass(b, FSDPModule)]
+        if own:
+            return own[0].__name__
+    return cls.__name__
 
 
 def _overlap(a: nn.Module, b: nn.Module) -> bool:

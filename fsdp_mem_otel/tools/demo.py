@@ -221,7 +221,7 @@ def run_demo(argv: list[str] | None = None) -> int:
             print(module_table(rep))
         print(f"\ntracker errors: {tracker.errors_total}")
         if export_config.jsonl and tracker.exporters:
-            files = " ".join(export_config.jsonl_config(r).path for r in range(world))
+            files = " ".join(export_config.jsonl_path(r, world) for r in range(world))
             print(f"\nTo see this run as pictures: fsdp-mem-otel report {files} -o report.html", flush=True)
     tracker.close()
     dist.destroy_process_group()
@@ -283,7 +283,7 @@ def _print_destinations(tracker_config: TrackerConfig, config: ExportConfig, exp
         print(f"[rank 0] OpenTelemetry spans to the OTLP endpoint (spans every {config.spans_every} step(s), "
               f"module spans every {config.module_spans_every})", flush=True)
     if "JSONLExporter" in kinds and config.jsonl:
-        paths = ", ".join(config.jsonl_config(r).path for r in range(world))
+        paths = ", ".join(config.jsonl_path(r, world) for r in range(world))
         print(f"[rank 0] step reports as JSON lines: {paths}", flush=True)
     if "PrometheusExporter" in kinds:
         if config.prometheus:
@@ -341,4 +341,8 @@ def _exit_without_finalizing(code: int) -> None:
 
 
 if __name__ == "__main__":
-    _exit_without_finalizing(run_demo())
+    from fsdp_mem_otel.cli_errors import run_command
+
+    # a rank's failure in one line, prefixed with its rank (--debug: the traceback too)
+    _exit_without_finalizing(run_command(f"fsdp-mem-otel demo [rank {os.environ.get('RANK', '?')}]", run_demo,
+                                         sys.argv[1:]))
