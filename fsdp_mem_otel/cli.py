@@ -34,7 +34,7 @@ def demo(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(
         prog="fsdp-mem-otel demo",
         description="Run a real FSDP training on CPU (gloo, one process per rank) with the tracker on, "
-                    "configured like a job: the FSDP_MEM_OTEL_* and OTEL_* environment (see the README's "
+                    "configured like a job: the FSDP_MEM_OTEL_* and OTEL_* environment (see docs/environment.md's "
                     "table), the options below overriding it.",
     )
     p.add_argument("--nproc", type=int, default=2, help="ranks to launch (default 2)")
@@ -75,14 +75,9 @@ def estimate(argv: Sequence[str]) -> int:
 
 
 def run(argv: Sequence[str]) -> int:
-    from fsdp_mem_otel import run as run_module
+    from fsdp_mem_otel.run import main as run_main
 
-    args = list(argv)
-    if not args or args[0] in ("-h", "--help"):  # its usage, under this command's name
-        usage = run_module.USAGE.replace("python -m fsdp_mem_otel.run", "fsdp-mem-otel run")
-        print(usage, file=sys.stdout if args else sys.stderr)
-        return 0 if args else 2
-    return run_module.main(args)
+    return run_main(argv, prog="fsdp-mem-otel run")
 
 
 def serve(argv: Sequence[str]) -> int:

@@ -28,7 +28,7 @@ environment variables before importing torch keeps working as without the launch
 
 The same without changing the command (a pod template): ``FSDP_MEM_OTEL_AUTO=1`` and
 ``PYTHONPATH`` set to the folder ``python -m fsdp_mem_otel.run --pythonpath`` prints, whose
-``sitecustomize`` calls ``enable()`` in every Python process started with them (see README).
+``sitecustomize`` calls ``enable()`` in every Python process started with them (see docs/launcher.md).
 """
 
 from __future__ import annotations
@@ -205,26 +205,31 @@ def run_module(name: str, args: Sequence[str]) -> None:
     runpy.run_module(name, run_name="__main__", alter_sys=True)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m fsdp_mem_otel.run") -> int:
+    """Run the script (or ``-m`` module) in ``argv`` with automatic attachment; ``prog`` names the
+    command in the usage and in the one-line errors (``fsdp-mem-otel run`` from the CLI)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    usage = USAGE.replace("python -m fsdp_mem_otel.run", prog)
     if not args or args[0] in ("-h", "--help"):
-        print(USAGE)
+        print(usage, file=sys.stdout if args else sys.stderr)
         return 0 if args else 2
     if args[0] == "--pythonpath":
         print(bootstrap_dir())
         return 0
     if args[0] == "-m":
         if len(args) < 2:
-            print(USAGE, file=sys.stderr)
+            print(f"{prog}: -m needs a module name (as python -m: {prog} -m package.module [args])", file=sys.stderr)
             return 2
         enable(explicit=True)
         run_module(args[1], args[2:])
         return 0
     if args[0].startswith("-"):
-        print(f"fsdp_mem_otel.run: unknown option {args[0]!r}\n\n{USAGE}", file=sys.stderr)
+        print(f"{prog}: unknown option {args[0]!r}; accepted before the script: -m MODULE, --pythonpath, --help",
+              file=sys.stderr)
         return 2
     if not os.path.exists(args[0]):
-        print(f"fsdp_mem_otel.run: no such script: {args[0]!r}", file=sys.stderr)
+        print(f"{prog}: no such script: {args[0]!r}; give the training script's path (or -m package.module)",
+              file=sys.stderr)
         return 2
     enable(explicit=True)
     run_script(args[0], args[1:])

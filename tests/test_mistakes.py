@@ -283,6 +283,16 @@ def test_rules_outside_the_repository_writes_every_dashboard(tmp_path: Path, mon
     assert sorted(k for d in docs for k in d["data"]) == sorted(p.name for p in (ROOT / "dashboards").glob("*.json"))
 
 
+def test_rules_with_a_dashboards_folder_holding_none(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "empty").mkdir()
+    rc, out, err = run_cli(capsys, "rules", "--out", str(tmp_path / "prom"), "--dashboards", str(tmp_path / "empty"))
+    assert rc == 2 and "wrote" not in out
+    assert one_line(err) == (f"fsdp-mem-otel rules: --dashboards {tmp_path / 'empty'}: holds no *.json; give the "
+                             "folder `fsdp-mem-otel dashboards --out` wrote (or leave --dashboards out to build them "
+                             "from the package)")
+    assert not (tmp_path / "k8s").exists() and not (tmp_path / "prom").exists()
+
+
 # 13 ------------------------------------------------------------------------------------------
 def test_serve_on_a_port_in_use(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as busy:
@@ -298,6 +308,21 @@ def test_serve_on_a_port_in_use(tmp_path: Path, capsys: pytest.CaptureFixture[st
 def test_run_help_names_the_command(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = run_cli(capsys, "run", "--help")
     assert rc == 0 and out.startswith("usage: fsdp-mem-otel run SCRIPT.py") and "python -m fsdp_mem_otel.run" not in out
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["run", "nothing.py"], "fsdp-mem-otel run: no such script: 'nothing.py'; give the training script's path "
+                            "(or -m package.module)"),
+    (["run", "--bogus"], "fsdp-mem-otel run: unknown option '--bogus'; accepted before the script: -m MODULE, "
+                         "--pythonpath, --help"),
+    (["run", "-m"], "fsdp-mem-otel run: -m needs a module name (as python -m: fsdp-mem-otel run -m package.module "
+                    "[args])"),
+])
+def test_run_mistakes_are_one_line(argv: list[str], line: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 2 and out == "" and one_line(err) == line
 
 
 def test_fit_probe_lines_show_the_comparison() -> None:

@@ -369,7 +369,7 @@ def _alert(name: str, expr: str, for_: str | None, severity: str, summary: str, 
 
 
 def alert_rules(cfg: RuleConfig | None = None) -> list[dict[str, Any]]:
-    """Alert rules; see the README's alert table for what each means and what to do."""
+    """Alert rules; see docs/operations.md's alert table for what each means and what to do."""
     c = cfg or RuleConfig()
     job = "{{ $labels.namespace }}/{{ $labels.job_name }}"
     rank = job + " rank {{ $labels.rank }}"

@@ -22,7 +22,7 @@ from fsdp_mem_otel.fleet.alerts import (
     prometheus_rule,
     rule_groups,
 )
-from fsdp_mem_otel.fleet.k8s_files import HEADER, configmaps, dashboards_configmaps, to_yaml
+from fsdp_mem_otel.fleet.k8s_files import configmaps, dashboards_configmaps, to_yaml
 
 
 def built_dashboards_configmaps() -> list[dict[str, Any]]:
@@ -38,14 +38,12 @@ def render(cfg: RuleConfig | None = None, dashboards_dir: str | os.PathLike[str]
     dashboards' ConfigMaps hold ``dashboards_dir/*.json``, or (None) the dashboards built from
     the package, wherever it runs."""
     cms = built_dashboards_configmaps() if dashboards_dir is None else dashboards_configmaps(dashboards_dir)
-    dash = to_yaml(*cms) if cms else HEADER + (
-        f"# No dashboards: {dashboards_dir} holds no *.json. Run `fsdp-mem-otel rules` without --dashboards to\n"
-        "# build them from the package.\n"
-    )
+    if not cms:
+        raise ValueError(f"{dashboards_dir} holds no *.json")
     return {
         f"prometheus/{RULES_FILE}": to_yaml({"groups": rule_groups(cfg)}),
         f"k8s/{PROMETHEUS_RULE_FILE}": to_yaml(prometheus_rule(cfg)),
-        f"k8s/{DASHBOARDS_FILE}": dash,
+        f"k8s/{DASHBOARDS_FILE}": to_yaml(*cms),
     }
 
 
@@ -97,8 +95,8 @@ def rules_main(argv: Sequence[str] | None = None) -> int:
             raise UsageError(f"--dashboards {args.dashboards}: is a file; give the folder of dashboard JSON files "
                              "(or leave --dashboards out to build them from the package)")
         if not any(Path(args.dashboards).glob("*.json")):
-            print(f"fsdp-mem-otel rules: warning: --dashboards {args.dashboards} holds no *.json: the dashboards "
-                  "ConfigMap file holds none (leave --dashboards out to build them from the package)", file=sys.stderr)
+            raise UsageError(f"--dashboards {args.dashboards}: holds no *.json; give the folder `fsdp-mem-otel "
+                             "dashboards --out` wrote (or leave --dashboards out to build them from the package)")
     try:
         files = render(cfg, args.dashboards)
     except ValueError as exc:

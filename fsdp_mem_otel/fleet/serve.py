@@ -73,7 +73,7 @@ DEFAULT_DRAIN_SECONDS = 40.0
 #: are stopped together; a native sidecar is stopped after training exited)
 DRAIN_SETTLE_SECONDS = 2.0
 #: bytes read of one rank file at most (a rank with 256 modules writes about 0.13 MB, 0.6 MB with
-#: FSDP_MEM_OTEL_DETAIL=1 and the default top-8 detail budget; see README's sidecar limits)
+#: FSDP_MEM_OTEL_DETAIL=1 and the default top-8 detail budget; see docs/exporting.md's sidecar limits)
 DEFAULT_MAX_FILE_BYTES = 16 * 1024 * 1024
 #: rank files served at most (the ranks of one pod)
 DEFAULT_MAX_FILES = 64

@@ -209,9 +209,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     pods = [(job, node) for job, nodes in JOBS.items() for node in nodes]
     ports = {name: free_ports(1) for name in ("central", "agent-a", "agent-b", *(f"{j}-{n}" for j, n in pods))}
     # the shipped rules, with the lost-rank timing shortened by the rules command's own options
-    assert rules_command.rules_main(["--out", str(tmp / "rules"), "--k8s-out", str(tmp / "k8s"), "--dashboards",
-                              str(tmp / "none"), "--lost-after", f"{LOST_AFTER}s", "--lost-for", f"{LOST_FOR}s",
-                              "--lost-window", "10m"]) == 0
+    assert rules_command.rules_main(["--out", str(tmp / "rules"), "--k8s-out", str(tmp / "k8s"),
+                                     "--lost-after", f"{LOST_AFTER}s", "--lost-for", f"{LOST_FOR}s",
+                                     "--lost-window", "10m"]) == 0
     central_conf = yaml.safe_load((REMOTE_WRITE / "central.yml").read_text())
     central_conf["global"]["evaluation_interval"] = f"{SCRAPE:g}s"
     central_conf["rule_files"] = [str(tmp / "rules" / alerts.RULES_FILE)]

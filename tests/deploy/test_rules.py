@@ -132,7 +132,7 @@ def test_alerts_have_severity_summary_description_runbook() -> None:
 
 def test_thresholds_are_configurable(tmp_path: Path) -> None:
     rc = rules_command.rules_main(["--out", str(tmp_path / "prom"), "--k8s-out", str(tmp_path / "k8s"),
-                            "--dashboards", str(tmp_path / "none"), "--regression-percent", "25",
+                            "--regression-percent", "25",
                             "--regression-offset", "1d", "--capacity-ratio", "0.8", "--stalled-after", "30m"])
     assert rc == 0
     rules = {r.get("alert"): r for g in yaml.safe_load((tmp_path / "prom" / alerts.RULES_FILE).read_text())["groups"]
@@ -149,7 +149,7 @@ def test_thresholds_are_configurable(tmp_path: Path) -> None:
 
 def test_leak_and_forecast_knobs_reach_both_rule_groups(tmp_path: Path) -> None:
     rc = rules_command.rules_main(["--out", str(tmp_path / "prom"), "--k8s-out", str(tmp_path / "k8s"),
-                            "--dashboards", str(tmp_path / "none"), "--leak-min-bytes-per-step", "1048576",
+                            "--leak-min-bytes-per-step", "1048576",
                             "--leak-lookback", "5m", "--leak-for", "30m", "--forecast-window", "2h",
                             "--forecast-hours", "24", "--forecast-for", "1h"])
     assert rc == 0
