@@ -30,7 +30,7 @@ main_venv() {
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
-  flock "$BUILD_LOCK" .venv/bin/python -m pip install -q -e ".[test]"
+  flock "$BUILD_LOCK" .venv/bin/python -m pip install -q -e ".[test,docs]"
   # torchtitan's own classes for tests/training/test_torchtitan_harm.py (see the requirements
   # files for why without its declared dependencies)
   .venv/bin/python -m pip install -q --no-deps -r tests/requirements-torchtitan.txt

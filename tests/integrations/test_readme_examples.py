@@ -1,6 +1,7 @@
 """The README's Hugging Face and Lightning examples, run as written on 2 real ranks (FSDP2 on CPU, gloo).
 
-Each example's code block is taken from README.md and executed verbatim; the test supplies only
+Each example's code block is taken from README.md or docs/ (docs/frameworks.md holds the
+``CPUFSDPTrainer`` block and repeats the two examples) and executed verbatim; the test supplies only
 what the README leaves to the reader: the model, the data, the Trainer's arguments (and, for the
 HF example on CPU, the README's own ``CPUFSDPTrainer`` block where the example says ``Trainer``,
 as the README says to). The callbacks are built as written, ``FSDPMemoryCallback()``, so they are
@@ -22,7 +23,8 @@ import pytest
 
 from tests.dist import run_ranks
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
 HF_IMPORT = "from fsdp_mem_otel.integrations.hf import FSDPMemoryCallback"
 HF_CPU_CLASS = "class CPUFSDPTrainer(Trainer)"
 LIGHTNING_IMPORT = "from fsdp_mem_otel.integrations.lightning import FSDPMemoryCallback"
@@ -30,11 +32,17 @@ STEPS = 3
 
 
 def readme_block(marker: str) -> str:
-    """The one ```python block of README.md that contains ``marker``, verbatim."""
-    blocks = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
-    found = [b for b in blocks if marker in b]
-    assert len(found) == 1, f"README.md: {len(found)} python blocks contain {marker!r}"
-    return found[0]
+    """The one ```python block of README.md and docs/*.md that contains ``marker``, verbatim.
+
+    A page may repeat a block of another page (docs/frameworks.md repeats README's examples): the
+    copies must be identical, so that the one block tested is the one every page shows.
+    """
+    found = set()
+    for page in [README, *sorted((ROOT / "docs").rglob("*.md"))]:
+        blocks = re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+        found |= {b for b in blocks if marker in b}
+    assert len(found) == 1, f"README.md and docs/: {len(found)} different python blocks contain {marker!r}"
+    return found.pop()
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 The oracle is arithmetic on the JSONL files, read here with ``json`` alone, and on the batch:
 the demo's input is ``batch x width`` float32 per rank; how a figure reads is written here
-again (``scaled``), from the rule the README states.
+again (``scaled``), from the rule docs/compare.md states.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def test_cli_and_its_errors(runs: dict[str, Path], tmp_path: Path) -> None:
     step = run(str(runs["small"]), str(runs["large"]), "--step", "99")
     assert step.returncode == 1 and "has no step 99" in step.stderr
     missing = run(str(tmp_path / "nothing.jsonl"), str(runs["large"]))
-    assert missing.returncode == 1 and "nothing.jsonl" in missing.stderr
+    assert missing.returncode == 2 and "nothing.jsonl (A, the baseline): no such file" in missing.stderr
     rank = run(str(runs["small"]), str(runs["large"]), "--rank", "5")
     assert rank.returncode == 1 and "no step report of rank 5" in rank.stderr
     bad = run(str(runs["small"]), str(runs["large"]), "--top", "-1")

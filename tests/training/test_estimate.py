@@ -122,7 +122,7 @@ def _wide_transformer() -> torch.nn.Module:
 
 
 #: models whose every dim 0 is at least 1,024, so that no rank holds padding only: a transformer,
-#: and README's world-size table (the demo model, 8 blocks of width 2048, bf16 parameters)
+#: and docs/estimate.md's world-size table (the demo model, 8 blocks of width 2048, bf16 parameters)
 FLEET_CONFIGS = {
     "transformer": (EstimateConfig(model=_wide_transformer, loss="tests.estimate_models:next_token_loss",
                                    batch_shape=(2, 16), input_dtype="int64"), _wide_transformer),
