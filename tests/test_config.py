@@ -2,7 +2,7 @@
 
 import pytest
 
-from fsdp_mem_otel.config import TrackerConfig
+from fsdp_mem_otel.config import ExportConfig, TrackerConfig
 
 
 def test_defaults_are_light_and_valid() -> None:
@@ -167,3 +167,41 @@ def test_command_line_types_name_what_they_accept() -> None:
     assert seconds_above_zero("0.5") == 0.5
     with pytest.raises(argparse.ArgumentTypeError, match="expected a positive number of seconds, got 0.0"):
         seconds_above_zero("0")
+
+
+def _env_docstrings() -> dict[str, str]:
+    """env.py's constant -> the docstring written under it."""
+    import ast
+    import inspect
+
+    from fsdp_mem_otel import env as env_module
+
+    body = ast.parse(inspect.getsource(env_module)).body
+    out = {}
+    for stmt, doc in zip(body, body[1:], strict=False):
+        if (isinstance(stmt, ast.Assign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                and isinstance(doc.value.value, str)):
+            out[stmt.targets[0].id] = doc.value.value  # type: ignore[attr-defined]
+    return out
+
+
+def test_every_default_env_py_states_is_the_code_default() -> None:
+    """A variable's docstring that says "default N" (or "N (default)") says the field's default: the
+    sidecar interval's once said 5 where the code used 15."""
+    import re
+    from dataclasses import fields
+
+    from fsdp_mem_otel.config import EXPORT_ENV, TRACKER_ENV
+
+    docs = _env_docstrings()
+    defaults = {f.name: f.default for cls in (TrackerConfig, ExportConfig) for f in fields(cls)}
+    checked = 0
+    for var, spec in {**TRACKER_ENV, **EXPORT_ENV}.items():
+        said = re.search(r"default (\d+(?:\.\d+)?)(?![\d.])( MiB)?|(\d+) \(default\)", docs[var])
+        if said is None:
+            continue
+        number = float(said.group(1) or said.group(3)) * (2**20 if said.group(2) else 1)
+        code = defaults[spec.field]
+        assert float(code) == number, f"env.py says {var} defaults to {said.group(0)!r}; the code: {code!r}"
+        checked += 1
+    assert checked >= 10
