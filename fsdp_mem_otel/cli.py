@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
 
-from fsdp_mem_otel.cli_errors import DEBUG_FLAG, UsageError, run_command
+from fsdp_mem_otel.cli_errors import DEBUG_FLAG, ArgumentParser, UsageError, run_command
 
 USAGE = """usage: fsdp-mem-otel COMMAND [options]
 
@@ -31,7 +30,7 @@ def demo(argv: Sequence[str]) -> int:
     FSDP_MEM_OTEL_* environment here (the ranks read both, as a job does)."""
     from fsdp_mem_otel.tools.demo import add_demo_args, demo_configs
 
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="fsdp-mem-otel demo",
         description="Run a real FSDP training on CPU (gloo, one process per rank) with the tracker on, "
                     "configured like a job: the FSDP_MEM_OTEL_* and OTEL_* environment (see docs/environment.md's "

@@ -11,11 +11,13 @@ passes it to the ranks it starts) prints the traceback as well. The check of out
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
 import traceback
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 DEBUG_FLAG = "--debug"
 #: set by ``--debug``; a launcher exports it to the processes it starts
@@ -29,6 +31,14 @@ class UsageError(Exception):
     def __init__(self, message: str, code: int = 2) -> None:
         super().__init__(message)
         self.code = code
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, its errors in one line (``PROG: MESSAGE; `PROG --help` lists the
+    options``, exit 2) instead of the whole usage and the message."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}; `{self.prog} --help` lists the options\n")
 
 
 def debug_enabled() -> bool:

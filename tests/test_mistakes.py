@@ -334,3 +334,30 @@ def test_fit_probe_lines_show_the_comparison() -> None:
     assert _compared(64 * mib + 1, 64 * mib) == "64.000001 MiB > 64.000000 MiB"
     assert _compared(30 * mib, 64 * mib) == "30.0 MiB <= 64.0 MiB"
     assert _compared(64 * mib, 64 * mib) == "64.0 MiB <= 64.0 MiB"
+
+
+# every command's own option errors (argparse's): one line, not the usage block -----------------
+HELP_HINT = "`fsdp-mem-otel {} --help` lists the options"
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["estimate", "--world-size", "0"], "argument --world-size: expected a positive integer, got 0"),
+    (["serve", "--dir", "."], "the following arguments are required: --port"),
+    (["report"], "the following arguments are required"),
+    (["compare", "only-one.jsonl"], "the following arguments are required"),
+    (["dashboards", "--bogus"], "unrecognized arguments: --bogus"),
+    (["rules", "--regression-percent", "many"], "argument --regression-percent"),
+])
+def test_option_errors_are_one_line(argv: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    out, err = capsys.readouterr()
+    line = one_line(err, out)
+    assert exit_.value.code == 2 and "usage:" not in err and words in line, line
+    assert line.startswith(f"fsdp-mem-otel {argv[0]}: ") and line.endswith(HELP_HINT.format(argv[0]))
+
+
+def test_estimate_config_errors_name_the_option(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_cli(capsys, "estimate", "--model", "tests.estimate_models:transformer")
+    assert rc == 2 and one_line(err, out).startswith(
+        "fsdp-mem-otel estimate: --batch-shape is required with a model of your own")

@@ -49,7 +49,6 @@ resolves to an older 10.1 build, whose package carries a higher version epoch).
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -59,6 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdp_mem_otel.cli_errors import ArgumentParser
 from fsdp_mem_otel.fleet import catalog as cat
 from fsdp_mem_otel.fleet.alerts import (
     REC_DEVICE_RATIO,
@@ -756,7 +756,7 @@ def check_dashboards(out_dir: str | Path) -> list[str]:
 
 def dashboards_main(argv: Sequence[str] | None = None) -> int:
     """``fsdp-mem-otel dashboards --out DIR [--check]``."""
-    p = argparse.ArgumentParser(prog="fsdp-mem-otel dashboards",
+    p = ArgumentParser(prog="fsdp-mem-otel dashboards",
                                 description="Generate the Grafana dashboards (JSON) from the metric catalog.")
     p.add_argument("--out", default="dashboards", help="directory to write the JSON into (default: dashboards)")
     p.add_argument("--check", action="store_true",

@@ -5,7 +5,6 @@ rules' recorded series: the command is the one place that needs both."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -14,6 +13,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from fsdp_mem_otel.cli_errors import ArgumentParser
 from fsdp_mem_otel.fleet.alerts import (
     DASHBOARDS_FILE,
     PROMETHEUS_RULE_FILE,
@@ -63,7 +63,7 @@ def write(out: str | os.PathLike[str], k8s_out: str | os.PathLike[str], cfg: Rul
 
 def rules_main(argv: Sequence[str] | None = None) -> int:
     """``fsdp-mem-otel rules --out deploy/prometheus/ [--k8s-out deploy/k8s/] [thresholds]``."""
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="fsdp-mem-otel rules",
         description="Write the Prometheus alert/recording rules, the same rules as a PrometheusRule, and the "
                     "Grafana dashboards ConfigMaps.",

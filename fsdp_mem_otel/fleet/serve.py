@@ -53,7 +53,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 
 from fsdp_mem_otel.checks import check_tls, int_at_least, seconds_above_zero, seconds_at_least_zero
-from fsdp_mem_otel.cli_errors import UsageError
+from fsdp_mem_otel.cli_errors import ArgumentParser, UsageError
 from fsdp_mem_otel.failures import FailureLog
 from fsdp_mem_otel.fleet import catalog as cat
 from fsdp_mem_otel.fleet.http_server import CONTENT_TYPE, MetricsServer, ssl_context
@@ -398,7 +398,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def serve_main(argv: Sequence[str] | None = None) -> int:
     """``fsdp-mem-otel serve --dir D --port P [...]``: serve until SIGTERM / Ctrl-C."""
-    p = argparse.ArgumentParser(prog="fsdp-mem-otel serve", description=(__doc__ or "").split("\n\n")[0])
+    p = ArgumentParser(prog="fsdp-mem-otel serve", description=(__doc__ or "").split("\n\n")[0])
     add_serve_args(p)
     args = p.parse_args(argv)
     if (args.certfile is None) != (args.keyfile is None):

@@ -16,7 +16,6 @@ fragment for a report page, ``to_dict`` the exact bytes as JSON-able data (``--j
 
 from __future__ import annotations
 
-import argparse
 import html
 import json
 import sys
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_mem_otel.checks import int_at_least
+from fsdp_mem_otel.cli_errors import ArgumentParser
 from fsdp_mem_otel.offline.jsonl_format import check_step_report_file, main_device, read_reports
 from fsdp_mem_otel.offline.table import human_bytes, render_table, signed_bytes
 from fsdp_mem_otel.schema import CATEGORY_KEYS, DEEP, LIGHT, PEAK_BACKWARD, PEAK_FORWARD, StepReport
@@ -242,7 +242,7 @@ def to_dict(c: Comparison, top: int | None = None) -> dict[str, Any]:
 
 def compare_main(argv: Sequence[str] | None = None) -> int:
     """``fsdp-mem-otel compare A B [--step N] [--rank R] [--top K] [--bytes | --json]``."""
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="fsdp-mem-otel compare",
         description="What grew between two memory profiles (JSONL runs, or an estimate and a run): per category "
                     "at the step peak and per module at its forward/backward peaks, largest change first.")

@@ -73,6 +73,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fsdp_mem_otel.checks import int_at_least
+from fsdp_mem_otel.cli_errors import ArgumentParser
 from fsdp_mem_otel.offline import trends as trends_mod
 from fsdp_mem_otel.offline.jsonl_format import (
     Progress,
@@ -780,7 +781,7 @@ def _size(text: str) -> int:
 
 
 def report_main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="fsdp-mem-otel report",
         description="Turn the tracker's JSONL files (one or more, any ranks; rotated files are read with "
                     "their base name) into one self-contained HTML page of charts.",

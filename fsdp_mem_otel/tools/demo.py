@@ -19,6 +19,7 @@ from torch import nn
 
 from fsdp_mem_otel import env
 from fsdp_mem_otel.checks import int_at_least
+from fsdp_mem_otel.cli_errors import ArgumentParser
 from fsdp_mem_otel.config import DEFAULT_BASE_PORT, ExportConfig, TrackerConfig
 
 
@@ -171,14 +172,13 @@ def run_demo(argv: list[str] | None = None) -> int:
     environment's exporters (``ExportConfig.from_env``: ``FSDP_MEM_OTEL_ESTIMATE``,
     ``FSDP_MEM_OTEL_JSONL``, the OpenTelemetry endpoint, ...), the demo's flags overriding; see
     ``demo_configs`` for the demo's own defaults."""
-    import argparse
     import time
 
     from fsdp_mem_otel.exporters import build_exporters
     from fsdp_mem_otel.offline.table import human_bytes, module_table, peak_table
     from fsdp_mem_otel.training.tracker import FSDPMemoryTracker
 
-    p = argparse.ArgumentParser(prog="fsdp_mem_otel.tools.demo")
+    p = ArgumentParser(prog="fsdp_mem_otel.tools.demo")
     add_demo_args(p)
     args = p.parse_args(argv)
     tracker_config, export_config = demo_configs(args)

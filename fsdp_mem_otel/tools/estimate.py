@@ -29,7 +29,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, cast
 
 import torch
@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_mem_otel.checks import check_bool, check_int
+from fsdp_mem_otel.cli_errors import ArgumentParser
 from fsdp_mem_otel.schema import StepReport
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -623,7 +624,7 @@ def estimate_parser() -> argparse.ArgumentParser:
     those of ``estimate_fit`` (--fit, --compare-options) and runs the command."""
     from fsdp_mem_otel.checks import int_at_least
 
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="fsdp-mem-otel estimate",
         description="Estimate a FSDP2 job's per-rank, per-module memory before launching it: the model is built "
                     "under FakeTensorMode and trained in one process over a fake process group of the target "
@@ -723,4 +724,8 @@ class usage_errors:  # noqa: N801 - used as a context manager, like contextlib's
         if isinstance(exc, OptionError):
             raise UsageError(exc.cli_message()) from exc
         if isinstance(exc, ValueError | TypeError):
+            # EstimateConfig's messages start with the field's name: say the option's
+            field, _, rest = str(exc).partition(" ")
+            if field in {f.name for f in fields(EstimateConfig)}:
+                raise UsageError(f"--{field.replace('_', '-')} {rest}") from exc
             raise UsageError(str(exc)) from exc
