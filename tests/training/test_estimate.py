@@ -200,6 +200,6 @@ def test_cli_errors_name_the_option() -> None:
     done = _cli("--world-size", "8", "--mesh", "3,2")
     assert done.returncode == 2 and "mesh 3x2 has 6 ranks but world_size is 8" in done.stderr, done.stderr
     done = _cli("--model", "tests.estimate_models:transformer")
-    assert done.returncode == 2 and "batch_shape is required" in done.stderr, done.stderr
+    assert done.returncode == 2 and "--batch-shape is required" in done.stderr, done.stderr
     done = _cli("--model", "nonexistent.module:build", "--batch-shape", "4,32")
     assert done.returncode == 2 and "cannot import module 'nonexistent.module'" in done.stderr, done.stderr
