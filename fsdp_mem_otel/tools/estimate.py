@@ -23,12 +23,13 @@ nothing on it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, cast
 
@@ -711,21 +712,19 @@ def run_estimate(args: argparse.Namespace, config: EstimateConfig) -> int:
     return 0
 
 
-class usage_errors:  # noqa: N801 - used as a context manager, like contextlib's
+@contextlib.contextmanager
+def usage_errors() -> Iterator[None]:
     """Turn what ``EstimateConfig`` and ``estimate()`` raise about the user's options (OptionError,
     ValueError, TypeError) into ``UsageError``s naming the command-line options."""
+    from fsdp_mem_otel.cli_errors import UsageError
 
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
-        from fsdp_mem_otel.cli_errors import UsageError
-
-        if isinstance(exc, OptionError):
-            raise UsageError(exc.cli_message()) from exc
-        if isinstance(exc, ValueError | TypeError):
-            # EstimateConfig's messages start with the field's name: say the option's
-            field, _, rest = str(exc).partition(" ")
-            if field in {f.name for f in fields(EstimateConfig)}:
-                raise UsageError(f"--{field.replace('_', '-')} {rest}") from exc
-            raise UsageError(str(exc)) from exc
+    try:
+        yield
+    except OptionError as exc:
+        raise UsageError(exc.cli_message()) from exc
+    except (ValueError, TypeError) as exc:
+        # EstimateConfig's messages start with the field's name: say the option's
+        field, _, rest = str(exc).partition(" ")
+        if field in {f.name for f in fields(EstimateConfig)}:
+            raise UsageError(f"--{field.replace('_', '-')} {rest}") from exc
+        raise UsageError(str(exc)) from exc
